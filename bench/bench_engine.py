@@ -1,0 +1,158 @@
+"""Engine-level speed: decode step time by batch size at a given context, and prefill time.
+
+Drives the CUDA backend's step() directly (no scheduler, no HTTP), so it measures the engine: wall time
+per step (Python + metadata copy + GPU + result copy) and GPU time per step (CUDA events).
+
+  python bench/bench_engine.py --preset qwen3-4b --ctx 1024 --batches 1,8,32,64 --out bench/results/engine.json
+
+Weights come from the random load path (same speed as a checkpoint; 32B does not fit the disk anyway).
+Floors: bytes read per decode step over the measured 4.21 TB/s copy rate of the H200 (QWEN3.md).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+FLOOR_MS = {"qwen3-4b": 1.91, "qwen3-8b": 3.59, "qwen3-32b": 15.2}
+
+
+def model_dir(preset: str) -> Path:
+    """A config-only model directory (enough for load_format='random')."""
+    import openinfer
+    from openinfer.tools.random_checkpoint import hf_config
+
+    d = Path(tempfile.mkdtemp(prefix=f"bench-{preset}-"))
+    (d / "config.json").write_text(json.dumps(hf_config(preset)))
+    src = Path(openinfer.__file__).parent / "data" / "qwen3-tokenizer"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, d / f)
+    return d
+
+
+class Runner:
+    def __init__(self, backend, vocab: int, seed: int = 0):
+        self.b = backend
+        self.rng = np.random.default_rng(seed)
+        self.vocab = vocab
+        self.next_block = 1
+
+    def alloc(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // 16)
+        if self.next_block + n > self.b.num_kv_blocks:
+            raise RuntimeError("KV pool too small for this benchmark")
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    def step(self, seqs, sample_last=True):
+        """seqs: list of (block ids, first new position, number of new tokens)."""
+        ids, pos, qsl, ctx, slots, sample = [], [], [0], [], [], []
+        M = max(len(b) for b, _, _ in seqs)
+        bt = np.zeros((len(seqs), M), np.int32)
+        for i, (blocks, p0, n) in enumerate(seqs):
+            ids.append(self.rng.integers(0, 151643, n, dtype=np.int32))
+            pos.append(np.arange(p0, p0 + n, dtype=np.int32))
+            b = np.asarray(blocks, np.int32)
+            slots.append(b[pos[-1] // 16] * 16 + pos[-1] % 16)
+            bt[i, :len(blocks)] = blocks
+            qsl.append(qsl[-1] + n)
+            ctx.append(p0 + n)
+            sample.append(qsl[-1] - 1)
+        S = len(sample)
+        t0 = time.perf_counter()
+        self.b.step(np.concatenate(ids), np.concatenate(pos), np.array(qsl, np.int32), np.array(ctx, np.int32), bt,
+                    np.concatenate(slots).astype(np.int32), np.array(sample, np.int32), np.zeros(S, np.float32),
+                    np.ones(S, np.float32), np.zeros(S, np.int32), np.zeros(S, np.uint64))
+        return (time.perf_counter() - t0) * 1e3, self.b.last_gpu_ms
+
+
+def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int) -> list[dict]:
+    import openinfer
+
+    t0 = time.perf_counter()
+    eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
+                           max_model_len=max(ctx + steps + 16, prefill_len + 16))
+    init_s = time.perf_counter() - t0
+    r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size)
+    rows = []
+    # prefill: one prompt of prefill_len tokens, one step
+    blocks = r.alloc(prefill_len)
+    for _ in range(2):
+        r.step([(blocks, 0, prefill_len)])
+    pre = [r.step([(blocks, 0, prefill_len)]) for _ in range(5)]
+    rows.append({"preset": preset, "what": "prefill", "tokens": prefill_len,
+                 "wall_ms_median": statistics.median(w for w, _ in pre),
+                 "gpu_ms_median": statistics.median(g for _, g in pre), "engine_init_s": init_s})
+    print(json.dumps(rows[-1]), flush=True)
+    for B in batches:
+        seqs = [r.alloc(ctx + steps + 2) for _ in range(B)]
+        done = 0
+        chunk = max(1, 8192 // ctx)
+        while done < B:  # fill each sequence's cache with a real prefill
+            r.step([(s, 0, ctx - 1) for s in seqs[done:done + chunk]])
+            done += chunk
+        walls, gpus = [], []
+        for i in range(steps):
+            w, g = r.step([(s, ctx - 1 + i, 1) for s in seqs])
+            if i >= 3:  # warm-up
+                walls.append(w)
+                gpus.append(g)
+        row = {"preset": preset, "what": "decode", "batch": B, "ctx": ctx, "steps": len(walls),
+               "wall_ms_median": statistics.median(walls), "gpu_ms_median": statistics.median(gpus),
+               "wall_ms_p90": float(np.percentile(walls, 90))}
+        row["cpu_overhead_ms"] = row["wall_ms_median"] - row["gpu_ms_median"]
+        if B == 1 and preset in FLOOR_MS:
+            row["floor_ms"] = FLOOR_MS[preset]
+            row["ratio_to_floor"] = row["wall_ms_median"] / FLOOR_MS[preset]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        r.next_block = blocks[-1] + 1  # reuse the pool for the next batch size
+    del eng
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="qwen3-4b", help="comma-separated presets")
+    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    rows = []
+    for preset in a.preset.split(","):
+        rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:
+        gpu = ""
+    result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
+              "machine": {"gpu": gpu, "host": platform.node()}, "rows": rows}
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(result, indent=1))
+    print(f"{'preset':10} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
+    for r in rows:
+        print(f"{r['preset']:10} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
+              f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f}")
+
+
+if __name__ == "__main__":
+    main()

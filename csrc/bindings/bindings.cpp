@@ -1,0 +1,288 @@
+// pybind11 only: NumPy <-> Engine, plus `ops`, thin wrappers that run single kernels on host arrays
+// (for the kernel tests against the NumPy reference). GPU work runs with the GIL released.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "../engine/engine.h"
+#include "../kernels/elementwise.cuh"
+#include "../kernels/random_init.cuh"
+
+#include <cstring>
+
+namespace py = pybind11;
+using namespace oi;
+
+namespace {
+
+template <typename T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+template <typename T>
+const T* ptr(const Arr<T>& a) { return a.data(); }
+
+template <typename T>
+void need(const Arr<T>& a, int64_t n, const char* name) {
+  if (a.size() != n) throw std::invalid_argument(std::string(name) + ": expected " + std::to_string(n) + " elements, got " + std::to_string(a.size()));
+}
+
+template <typename T>
+py::array_t<T> to_numpy(const std::vector<T>& v, std::vector<py::ssize_t> shape) {
+  py::array_t<T> out(shape);
+  if (!v.empty()) std::memcpy(out.mutable_data(), v.data(), v.size() * sizeof(T));
+  return out;
+}
+
+// RAII device buffer for ops.
+struct Dev {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t bytes) : n(bytes) { OI_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  template <typename T>
+  Dev(const Arr<T>& a) : Dev(a.size() * sizeof(T)) { OI_CUDA_CHECK(cudaMemcpy(p, a.data(), n, cudaMemcpyHostToDevice)); }
+  ~Dev() { cudaFree(p); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+  template <typename T>
+  py::array_t<T> get(std::vector<py::ssize_t> shape) const {
+    py::array_t<T> out(shape);
+    OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), p, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+ModelDims dims_from(const py::dict& c) {
+  ModelDims d{};
+  d.hidden = c["hidden_size"].cast<int>();
+  d.intermediate = c["intermediate_size"].cast<int>();
+  d.layers = c["num_hidden_layers"].cast<int>();
+  d.heads = c["num_attention_heads"].cast<int>();
+  d.kv_heads = c["num_key_value_heads"].cast<int>();
+  d.head_dim = c["head_dim"].cast<int>();
+  d.vocab = c["vocab_size"].cast<int>();
+  d.eps = c["rms_norm_eps"].cast<float>();
+  d.rope_theta = c["rope_theta"].cast<double>();
+  d.tied = c["tie_word_embeddings"].cast<bool>();
+  return d;
+}
+
+Gemm& ops_gemm() {
+  static std::unique_ptr<Gemm> g;
+  if (!g) g = std::make_unique<Gemm>("");
+  return *g;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_engine, m) {
+  m.doc() = "openinfer CUDA engine";
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("device_count", [] {
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+      cudaGetLastError();
+      return 0;
+    }
+    return n;
+  }, "number of visible CUDA devices (0 when there is no driver or GPU)");
+
+  py::class_<Engine>(m, "Engine")
+      .def(py::init([](const py::dict& model, const py::dict& opts) {
+             EngineOptions o;
+             o.max_num_tokens = opts["max_num_batched_tokens"].cast<int>();
+             o.max_num_seqs = opts["max_num_seqs"].cast<int>();
+             o.max_model_len = opts["max_model_len"].cast<int>();
+             o.block_size = opts["kv_block_size"].cast<int>();
+             o.gpu_memory_utilization = opts["gpu_memory_utilization"].cast<double>();
+             o.num_kv_blocks = opts["num_kv_blocks"].cast<int>();
+             o.cublaslt_path = opts["cublaslt_path"].cast<std::string>();
+             ModelDims d = dims_from(model);
+             py::gil_scoped_release nogil;
+             return std::make_unique<Engine>(d, o);
+           }),
+           py::arg("model"), py::arg("options"))
+      .def("load_tensor",
+           [](Engine& e, const std::string& kind, int layer, const Arr<uint16_t>& a, int64_t row_offset) {
+             const int64_t rows = a.ndim() == 2 ? a.shape(0) : 1, cols = a.ndim() == 2 ? a.shape(1) : a.size();
+             const uint16_t* p = a.data();
+             py::gil_scoped_release nogil;
+             e.load_tensor(kind, layer, p, rows, cols, row_offset);
+           },
+           py::arg("kind"), py::arg("layer"), py::arg("data"), py::arg("row_offset") = 0)
+      .def("init_random", [](Engine& e, uint64_t seed) { py::gil_scoped_release nogil; e.init_random(seed); })
+      .def("finalize", [](Engine& e) { py::gil_scoped_release nogil; return e.finalize(); })
+      .def_property_readonly("num_kv_blocks", &Engine::num_kv_blocks)
+      .def_property_readonly("kv_block_bytes", &Engine::kv_block_bytes)
+      .def_property_readonly("weight_bytes", &Engine::weight_bytes)
+      .def_property_readonly("activation_bytes", &Engine::activation_bytes)
+      .def_property_readonly("num_sms", &Engine::num_sms)
+      .def_property_readonly("device_name", &Engine::device_name)
+      .def("step",
+           [](Engine& e, const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
+              const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,
+              const Arr<int32_t>& sample_idx, const Arr<float>& temperature, const Arr<float>& top_p,
+              const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits) {
+             HostStep h;
+             h.T = (int)input_ids.size();
+             h.B = (int)context_lens.size();
+             h.S = (int)sample_idx.size();
+             if (block_tables.ndim() != 2 || block_tables.shape(0) != h.B)
+               throw std::invalid_argument("block_tables must be [B, M]");
+             h.bt_stride = (int)block_tables.shape(1);
+             need(positions, h.T, "positions");
+             need(slot_mapping, h.T, "slot_mapping");
+             need(qsl, h.B + 1, "query_start_loc");
+             need(temperature, h.S, "temperature");
+             need(top_p, h.S, "top_p");
+             need(top_k, h.S, "top_k");
+             need(seeds, h.S, "seeds");
+             h.ids = ptr(input_ids); h.positions = ptr(positions); h.query_start_loc = ptr(qsl);
+             h.context_lens = ptr(context_lens); h.block_tables = ptr(block_tables); h.slots = ptr(slot_mapping);
+             h.sample_idx = ptr(sample_idx); h.temperature = ptr(temperature); h.top_p = ptr(top_p);
+             h.top_k = ptr(top_k); h.seeds = ptr(seeds); h.num_logprobs = num_logprobs; h.return_logits = return_logits;
+             StepResult r;
+             {
+               py::gil_scoped_release nogil;
+               r = e.step(h);
+             }
+             const py::ssize_t S = h.S, N = num_logprobs;
+             py::object logits = py::none();
+             if (return_logits) logits = to_numpy(r.logits, {S, (py::ssize_t)(r.logits.size() / std::max<py::ssize_t>(S, 1))});
+             return py::make_tuple(to_numpy(r.tokens, {S}), to_numpy(r.logprobs, {S}), to_numpy(r.top_ids, {S, N}),
+                                   to_numpy(r.top_logprobs, {S, N}), logits, r.gpu_ms);
+           },
+           py::arg("input_ids"), py::arg("positions"), py::arg("query_start_loc"), py::arg("context_lens"),
+           py::arg("block_tables"), py::arg("slot_mapping"), py::arg("sample_idx"), py::arg("temperature"),
+           py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("num_logprobs") = 0,
+           py::arg("return_logits") = false);
+
+  // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
+  py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
+  ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
+    const int H = (int)w.size(), T = (int)(x.size() / H);
+    Dev dx(x), dw(w), dout(x.size() * 2);
+    rmsnorm(dx.as<bf16>(), dw.as<bf16>(), dout.as<bf16>(), T, H, eps, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, H});
+  });
+  ops.def("silu_mul", [](const Arr<uint16_t>& gu, int I) {
+    const int T = (int)(gu.size() / (2 * I));
+    Dev dg(gu), dout((size_t)T * I * 2);
+    silu_mul(dg.as<bf16>(), dout.as<bf16>(), T, I, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, I});
+  });
+  ops.def("embedding", [](const Arr<uint16_t>& table, const Arr<int32_t>& ids, int H) {
+    const int T = (int)ids.size();
+    Dev dt(table), di(ids), dout((size_t)T * H * 2);
+    embedding_lookup(dt.as<bf16>(), di.as<int32_t>(), dout.as<bf16>(), T, H, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, H});
+  });
+  ops.def("gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init, bool out_f32) {
+    const size_t ob = (size_t)M * N * (out_f32 ? 4 : 2);
+    Dev dx(x), dw(w), dy(ob);
+    const bool acc = !y_init.is_none();
+    if (acc) {
+      py::array a = y_init.cast<py::array>();
+      if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemm: y_init has the wrong size");
+      OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
+    }
+    ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    if (out_f32) return py::array(dy.get<float>({M, N}));
+    return py::array(dy.get<uint16_t>({M, N}));
+  });
+  ops.def("qk_norm_rope_kv_write",
+          [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& qw, const Arr<uint16_t>& kw, const Arr<int32_t>& positions,
+             const Arr<int32_t>& slots, const Arr<uint16_t>& cache, int layer, int num_layers, int num_heads,
+             int num_kv_heads, double theta, float eps, int max_pos) {
+            const int T = (int)positions.size(), D = 128;
+            KvLayout kv{num_layers, num_kv_heads, 16, D};
+            Dev dq(qkv), dqw(qw), dkw(kw), dp(positions), ds(slots), dc(cache);
+            Dev rope((size_t)max_pos * (D / 2) * sizeof(float2));
+            rope_table_init(rope.as<float2>(), max_pos, D, theta, 0);
+            qk_norm_rope_kv_write(dq.as<bf16>(), dqw.as<bf16>(), dkw.as<bf16>(), dp.as<int32_t>(), ds.as<int32_t>(),
+                                  rope.as<float2>(), dc.as<bf16>(), layer, kv, T, num_heads, eps, 0);
+            OI_CUDA_CHECK(cudaDeviceSynchronize());
+            return py::make_tuple(dq.get<uint16_t>({T, (py::ssize_t)(qkv.size() / std::max(T, 1))}),
+                                  dc.get<uint16_t>({(py::ssize_t)cache.size()}));
+          });
+  ops.def("paged_attention",
+          [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& cache, const Arr<int32_t>& block_tables,
+             const Arr<int32_t>& qsl, const Arr<int32_t>& context_lens, const Arr<int32_t>& positions, int layer,
+             int num_layers, int num_heads, int num_kv_heads, int num_splits) {
+            const int T = (int)positions.size(), B = (int)context_lens.size(), D = 128;
+            const int group = num_heads / num_kv_heads, qt = attn_tokens_per_item(group);
+            std::vector<AttnWork> work;
+            int max_rows = 1, max_ctx = 0;
+            for (int b = 0; b < B; ++b) {
+              for (int t0 = qsl.at(b); t0 < qsl.at(b + 1); t0 += qt) {
+                const int n = std::min(qt, qsl.at(b + 1) - t0);
+                work.push_back(AttnWork{b, t0, n, 0});
+                max_rows = std::max(max_rows, n * group);
+              }
+              max_ctx = std::max(max_ctx, context_lens.at(b));
+            }
+            cudaDeviceProp prop{};
+            OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+            const int max_split_rows = 1 << 16;
+            if (num_splits <= 0) num_splits = attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T, prop.multiProcessorCount, max_split_rows);
+            Dev dq(qkv), dc(cache), dbt(block_tables), dpos(positions), dctx(context_lens);
+            Dev dwork(work.size() * sizeof(AttnWork)), dout((size_t)T * num_heads * D * 2);
+            Dev dwo((size_t)num_splits * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
+            OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
+            AttnArgs a{};
+            a.q = dq.as<bf16>();
+            a.q_stride = (int)(qkv.size() / std::max(T, 1));
+            a.kv_cache = dc.as<bf16>();
+            a.kv = KvLayout{num_layers, num_kv_heads, 16, D};
+            a.layer = layer;
+            a.block_tables = dbt.as<int32_t>();
+            a.bt_stride = block_tables.ndim() == 2 ? (int)block_tables.shape(1) : (int)block_tables.size();
+            a.positions = dpos.as<int32_t>();
+            a.context_lens = dctx.as<int32_t>();
+            a.work = dwork.as<AttnWork>();
+            a.num_work = (int)work.size();
+            a.num_tokens = T;
+            a.num_heads = num_heads;
+            a.num_splits = num_splits;
+            a.max_rows = max_rows;
+            a.out = dout.as<bf16>();
+            a.ws_o = dwo.as<float>();
+            a.ws_lse = dwl.as<float>();
+            paged_attention(a, 0);
+            OI_CUDA_CHECK(cudaDeviceSynchronize());
+            return py::make_tuple(dout.get<uint16_t>({T, num_heads * D}), num_splits);
+          });
+  ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
+                       const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,
+                       int num_logprobs) {
+    const int S = (int)temperature.size(), V = (int)(logits.size() / std::max(S, 1));
+    Dev dl(logits), dt(temperature), dp(top_p), dk(top_k), ds(seeds), dpos(positions);
+    Dev tok((size_t)S * 4), lp((size_t)S * 4), tid((size_t)S * num_logprobs * 4), tlp((size_t)S * num_logprobs * 4);
+    SampleArgs a{};
+    a.logits = dl.as<float>(); a.num_rows = S; a.vocab = V;
+    a.temperature = dt.as<float>(); a.top_p = dp.as<float>(); a.top_k = dk.as<int32_t>(); a.seeds = ds.as<uint64_t>();
+    a.positions = dpos.as<int32_t>(); a.num_logprobs = num_logprobs;
+    a.tokens = tok.as<int32_t>(); a.logprobs = lp.as<float>(); a.top_ids = tid.as<int32_t>(); a.top_logprobs = tlp.as<float>();
+    sample(a, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return py::make_tuple(tok.get<int32_t>({S}), lp.get<float>({S}), tid.get<int32_t>({S, num_logprobs}),
+                          tlp.get<float>({S, num_logprobs}));
+  });
+  ops.def("fill_normal_stats", [](int64_t n, uint64_t seed, float mean, float std) {
+    // For the random-load test: moments of the GPU generator.
+    Dev d((size_t)n * 2);
+    fill_normal(d.as<bf16>(), n, seed, mean, std, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return d.get<uint16_t>({(py::ssize_t)n});
+  });
+}

@@ -1,0 +1,317 @@
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+
+#include "../kernels/random_init.cuh"
+#include "engine.h"
+
+namespace oi {
+namespace {
+
+#define OI_INPUT_CHECK(cond, msg)                 \
+  do {                                            \
+    if (!(cond)) {                                \
+      std::ostringstream oi_os_;                  \
+      oi_os_ << "step: " << msg;                  \
+      throw std::invalid_argument(oi_os_.str());  \
+    }                                             \
+  } while (0)
+
+constexpr size_t kAlign = 256;
+size_t align_up(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+size_t B_cap_bytes(int64_t S) { return (2 * S + 1) * 4; }  // query_start_loc + context_lens
+
+}  // namespace
+
+Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_(opt) {
+  int count = 0;
+  const cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    throw std::runtime_error(
+        "No CUDA GPU is available to the CUDA engine (" + std::string(e == cudaSuccess ? "no device found" : cudaGetErrorString(e)) +
+        "); use device=\"cpu\" for the NumPy reference backend.");
+  }
+  OI_CHECK(d_.head_dim == 128, "head_dim " << d_.head_dim << " is not supported (Qwen3 uses 128)");
+  OI_CHECK(d_.heads % d_.kv_heads == 0, "num_attention_heads must be a multiple of num_key_value_heads");
+  OI_CHECK(d_.hidden % 8 == 0 && d_.intermediate % 8 == 0, "hidden and intermediate sizes must be multiples of 8");
+  OI_CHECK(opt_.block_size == 16, "kv block size must be 16");
+  cudaDeviceProp prop{};
+  OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  num_sms_ = prop.multiProcessorCount;
+  device_name_ = prop.name;
+  OI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  OI_CUDA_CHECK(cudaEventCreate(&ev0_));
+  OI_CUDA_CHECK(cudaEventCreate(&ev1_));
+  gemm_ = std::make_unique<Gemm>(opt_.cublaslt_path);
+  kv_ = KvLayout{d_.layers, d_.kv_heads, opt_.block_size, d_.head_dim};
+
+  const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
+  auto wt = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &weight_bytes_)); };
+  w_.embed = wt(V * H);
+  w_.lm_head = d_.tied ? w_.embed : wt(V * H);
+  w_.final_norm = wt(H);
+  w_.layers.resize(d_.layers);
+  for (auto& L : w_.layers) {
+    L.input_norm = wt(H);
+    L.post_norm = wt(H);
+    L.q_norm = wt(d_.head_dim);
+    L.k_norm = wt(d_.head_dim);
+    L.qkv = wt((int64_t)d_.qkv_rows() * H);
+    L.o = wt(H * d_.heads * d_.head_dim);
+    L.gate_up = wt(2 * I * H);
+    L.down = wt(H * I);
+  }
+  rope_ = static_cast<float2*>(alloc((size_t)opt_.max_model_len * (d_.head_dim / 2) * sizeof(float2), &act_bytes_));
+  rope_table_init(rope_, opt_.max_model_len, d_.head_dim, d_.rope_theta, stream_);
+}
+
+Engine::~Engine() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  gemm_.reset();
+  for (void* p : allocations_) cudaFree(p);
+  if (kv_cache_) cudaFree(kv_cache_);
+  if (host_meta_) cudaFreeHost(host_meta_);
+  if (ev0_) cudaEventDestroy(ev0_);
+  if (ev1_) cudaEventDestroy(ev1_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void* Engine::alloc(size_t bytes, int64_t* counter) {
+  void* p = nullptr;
+  OI_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16)));
+  allocations_.push_back(p);
+  *counter += bytes;
+  return p;
+}
+
+bf16* Engine::tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols) {
+  const int64_t H = d_.hidden, I = d_.intermediate, D = d_.head_dim;
+  if (kind == "embed") { *rows = d_.vocab; *cols = H; return w_.embed; }
+  if (kind == "lm_head") {
+    OI_CHECK(!d_.tied, "lm_head given for a model with tied word embeddings");
+    *rows = d_.vocab; *cols = H; return w_.lm_head;
+  }
+  if (kind == "final_norm") { *rows = 1; *cols = H; return w_.final_norm; }
+  OI_CHECK(layer >= 0 && layer < d_.layers, "layer " << layer << " out of range for " << kind);
+  LayerWeights& L = w_.layers[layer];
+  if (kind == "input_norm") { *rows = 1; *cols = H; return L.input_norm; }
+  if (kind == "post_norm") { *rows = 1; *cols = H; return L.post_norm; }
+  if (kind == "q_norm") { *rows = 1; *cols = D; return L.q_norm; }
+  if (kind == "k_norm") { *rows = 1; *cols = D; return L.k_norm; }
+  if (kind == "qkv") { *rows = d_.qkv_rows(); *cols = H; return L.qkv; }
+  if (kind == "o") { *rows = H; *cols = d_.heads * D; return L.o; }
+  if (kind == "gate_up") { *rows = 2 * I; *cols = H; return L.gate_up; }
+  if (kind == "down") { *rows = H; *cols = I; return L.down; }
+  OI_CHECK(false, "unknown tensor kind '" << kind << "'");
+}
+
+void Engine::load_tensor(const std::string& kind, int layer, const uint16_t* data, int64_t rows, int64_t cols,
+                         int64_t row_offset) {
+  int64_t R = 0, C = 0;
+  bf16* dst = tensor_slot(kind, layer, &R, &C);
+  OI_CHECK(cols == C && row_offset >= 0 && row_offset + rows <= R,
+           "tensor " << kind << "[" << layer << "]: got [" << rows << ", " << cols << "] at row " << row_offset
+                     << ", slot is [" << R << ", " << C << "]");
+  OI_CUDA_CHECK(cudaMemcpy(dst + row_offset * C, data, rows * cols * sizeof(bf16), cudaMemcpyHostToDevice));
+}
+
+void Engine::init_random(uint64_t seed) {
+  // Same scale rule as openinfer.tools.random_checkpoint: projections keep the RMS of their input,
+  // embedding rows give non-flat logits after the final norm, norm weights near 1.
+  const int64_t H = d_.hidden, I = d_.intermediate, D = d_.head_dim, V = d_.vocab;
+  uint64_t n = 0;
+  auto next = [&]() { return seed * 1000003ull + (++n); };
+  auto normal = [&](bf16* p, int64_t count, int64_t fan_in) { fill_normal(p, count, next(), 0.f, 1.f / std::sqrt((float)fan_in), stream_); };
+  auto norm_w = [&](bf16* p, int64_t count) { fill_uniform(p, count, next(), 1.f, 0.1f, stream_); };
+  fill_normal(w_.embed, V * H, next(), 0.f, 2.f / std::sqrt((float)H), stream_);
+  if (!d_.tied) fill_normal(w_.lm_head, V * H, next(), 0.f, 2.f / std::sqrt((float)H), stream_);
+  norm_w(w_.final_norm, H);
+  for (auto& L : w_.layers) {
+    norm_w(L.input_norm, H);
+    norm_w(L.post_norm, H);
+    norm_w(L.q_norm, D);
+    norm_w(L.k_norm, D);
+    normal(L.qkv, (int64_t)d_.qkv_rows() * H, H);
+    normal(L.o, H * d_.heads * D, d_.heads * D);
+    normal(L.gate_up, 2 * I * H, H);
+    normal(L.down, H * I, I);
+  }
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+int64_t Engine::finalize() {
+  OI_CHECK(!finalized_, "finalize() called twice");
+  const int64_t T = opt_.max_num_tokens, S = opt_.max_num_seqs, H = d_.hidden, I = d_.intermediate;
+  auto ab = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &act_bytes_)); };
+  act_.x = ab(T * H);
+  act_.h = ab(T * H);
+  act_.qkv = ab(T * d_.qkv_rows());
+  act_.attn = ab(T * d_.heads * d_.head_dim);
+  act_.gu = ab(T * 2 * I);
+  act_.act = ab(T * I);
+  act_.xs = ab(S * H);
+  act_.hs = ab(S * H);
+  act_.logits = static_cast<float*>(alloc(S * d_.vocab * sizeof(float), &act_bytes_));
+  act_.ws_o = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * d_.head_dim * sizeof(float), &act_bytes_));
+  act_.ws_lse = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * sizeof(float), &act_bytes_));
+
+  const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;
+  meta_in_bytes_ = align_up(3 * T * 4) + align_up(B_cap_bytes(S)) + align_up(S * max_blocks_per_seq * 4) +
+                   align_up(4 * S * 4) + align_up(S * 8) + align_up((T + S) * sizeof(AttnWork)) + 16 * kAlign;
+  meta_bytes_ = meta_in_bytes_ + align_up(2 * S * 4) + align_up(2 * S * kMaxLogprobs * 4) + 4 * kAlign;
+  OI_CUDA_CHECK(cudaMallocHost(&host_meta_, meta_bytes_));
+  dev_meta_ = static_cast<char*>(alloc(meta_bytes_, &act_bytes_));
+
+  // Profiling step (one prompt through every kernel and GEMM shape class) on a throwaway pool, so
+  // lazily loaded modules and plans are resident before free memory is read.
+  {
+    const int n = std::max(1, std::min<int>({(int)T, 256, opt_.max_model_len}));
+    const int nb = (n + opt_.block_size - 1) / opt_.block_size;
+    bf16* tmp = nullptr;
+    OI_CUDA_CHECK(cudaMalloc(&tmp, (size_t)(nb + 1) * kv_block_bytes()));
+    std::vector<int32_t> ids(n), pos(n), slots(n), bt(nb);
+    for (int i = 0; i < n; ++i) { ids[i] = i % d_.vocab; pos[i] = i; slots[i] = opt_.block_size + i; }
+    for (int b = 0; b < nb; ++b) bt[b] = b + 1;
+    int32_t qsl[2] = {0, n}, ctx[1] = {n}, sidx[1] = {n - 1}, topk[1] = {0};
+    float temp[1] = {1.f}, topp[1] = {0.9f};
+    uint64_t seed[1] = {0};
+    HostStep hs;
+    hs.T = n; hs.B = 1; hs.S = 1; hs.bt_stride = nb;
+    hs.ids = ids.data(); hs.positions = pos.data(); hs.query_start_loc = qsl; hs.context_lens = ctx;
+    hs.block_tables = bt.data(); hs.slots = slots.data(); hs.sample_idx = sidx;
+    hs.temperature = temp; hs.top_p = topp; hs.top_k = topk; hs.seeds = seed; hs.num_logprobs = 1;
+    run(hs, tmp, nb + 1);
+    OI_CUDA_CHECK(cudaFree(tmp));
+  }
+
+  size_t free_b = 0, total_b = 0;
+  OI_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  const double reserve = (1.0 - opt_.gpu_memory_utilization) * (double)total_b;
+  const int64_t budget = (int64_t)((double)free_b - reserve);
+  const int64_t fit = budget > 0 ? budget / kv_block_bytes() : 0;
+  num_blocks_ = opt_.num_kv_blocks > 0 ? opt_.num_kv_blocks : fit;
+  OI_CHECK(num_blocks_ <= (int64_t)(free_b / kv_block_bytes()),
+           "num_kv_blocks " << num_blocks_ << " does not fit in free GPU memory (" << free_b / kv_block_bytes() << " blocks)");
+  OI_CHECK(num_blocks_ >= 2, "not enough GPU memory for the KV cache: " << (free_b >> 20) << " MiB free after weights ("
+                                 << (weight_bytes_ >> 20) << " MiB) and activations; raise gpu_memory_utilization");
+  OI_CUDA_CHECK(cudaMalloc(&kv_cache_, (size_t)num_blocks_ * kv_block_bytes()));
+  OI_CUDA_CHECK(cudaMemset(kv_cache_, 0, (size_t)num_blocks_ * kv_block_bytes()));  // unwritten slots stay finite
+  finalized_ = true;
+  return num_blocks_;
+}
+
+StepResult Engine::step(const HostStep& in) {
+  OI_CHECK(finalized_, "step() before finalize()");
+  return run(in, kv_cache_, num_blocks_);
+}
+
+StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
+  const int T = in.T, B = in.B, S = in.S;
+  // Everything a client could influence is checked here, before any device work.
+  OI_INPUT_CHECK(T >= 1 && T <= opt_.max_num_tokens, T << " tokens (1.." << opt_.max_num_tokens << ")");
+  OI_INPUT_CHECK(B >= 1 && B <= opt_.max_num_seqs, B << " sequences (1.." << opt_.max_num_seqs << ")");
+  OI_INPUT_CHECK(S >= 0 && S <= opt_.max_num_seqs, S << " sampled rows (0.." << opt_.max_num_seqs << ")");
+  OI_INPUT_CHECK(in.num_logprobs >= 0 && in.num_logprobs <= kMaxLogprobs, "num_logprobs " << in.num_logprobs);
+  OI_INPUT_CHECK(in.bt_stride >= 1 && in.bt_stride <= (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size,
+                 "block table width " << in.bt_stride);
+  OI_INPUT_CHECK(in.query_start_loc[0] == 0 && in.query_start_loc[B] == T, "query_start_loc must run from 0 to T");
+  const int group = d_.heads / d_.kv_heads;
+  const int qt = attn_tokens_per_item(group);
+  const int64_t max_slot = num_blocks * opt_.block_size;
+  std::vector<AttnWork> work;
+  work.reserve(T / qt + B + 1);
+  int max_ctx = 0, max_rows = 1;
+  for (int b = 0; b < B; ++b) {
+    const int s0 = in.query_start_loc[b], s1 = in.query_start_loc[b + 1];
+    OI_INPUT_CHECK(s1 > s0, "sequence " << b << " has no tokens");
+    const int ctx = in.context_lens[b];
+    OI_INPUT_CHECK(ctx >= s1 - s0 && ctx <= opt_.max_model_len && ctx <= in.bt_stride * opt_.block_size,
+                   "context_lens[" << b << "] = " << ctx << " is inconsistent");
+    OI_INPUT_CHECK(in.positions[s1 - 1] == ctx - 1, "last position of sequence " << b << " must be context_len - 1");
+    const int nb = (ctx + opt_.block_size - 1) / opt_.block_size;
+    for (int j = 0; j < nb; ++j) {
+      const int blk = in.block_tables[(int64_t)b * in.bt_stride + j];
+      OI_INPUT_CHECK(blk >= 0 && blk < num_blocks, "block id " << blk << " out of range");
+    }
+    for (int t0 = s0; t0 < s1; t0 += qt) {
+      const int n = std::min(qt, s1 - t0);
+      work.push_back(AttnWork{b, t0, n, 0});
+      max_rows = std::max(max_rows, n * group);
+    }
+    max_ctx = std::max(max_ctx, ctx);
+  }
+  for (int t = 0; t < T; ++t) {
+    OI_INPUT_CHECK(in.ids[t] >= 0 && in.ids[t] < d_.vocab, "token id " << in.ids[t] << " out of range");
+    OI_INPUT_CHECK(in.positions[t] >= 0 && in.positions[t] < opt_.max_model_len, "position " << in.positions[t] << " out of range");
+    OI_INPUT_CHECK(in.slots[t] >= -1 && in.slots[t] < max_slot, "slot " << in.slots[t] << " out of range");
+  }
+  std::vector<int32_t> sample_pos(S);
+  for (int r = 0; r < S; ++r) {
+    OI_INPUT_CHECK(in.sample_idx[r] >= 0 && in.sample_idx[r] < T, "sample_idx " << in.sample_idx[r] << " out of range");
+    OI_INPUT_CHECK(std::isfinite(in.temperature[r]) && in.top_p[r] > 0.f && in.top_p[r] <= 1.f, "bad sampling parameters in row " << r);
+    sample_pos[r] = in.positions[in.sample_idx[r]];
+  }
+  const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_);
+
+  // Pack every input into the pinned staging area and send it with one copy.
+  size_t off = 0;
+  auto put = [&](const void* src, size_t bytes) {
+    void* dev = dev_meta_ + off;
+    if (bytes) std::memcpy(host_meta_ + off, src, bytes);
+    off = align_up(off + bytes);
+    return dev;
+  };
+  StepMeta m{};
+  m.T = T; m.B = B; m.S = S; m.bt_stride = in.bt_stride;
+  m.num_work = (int)work.size(); m.max_rows = max_rows; m.num_splits = splits; m.num_logprobs = in.num_logprobs;
+  m.ids = (const int32_t*)put(in.ids, T * 4);
+  m.positions = (const int32_t*)put(in.positions, T * 4);
+  m.slots = (const int32_t*)put(in.slots, T * 4);
+  m.context_lens = (const int32_t*)put(in.context_lens, B * 4);
+  m.block_tables = (const int32_t*)put(in.block_tables, (size_t)B * in.bt_stride * 4);
+  m.sample_idx = (const int32_t*)put(in.sample_idx, S * 4);
+  m.sample_pos = (const int32_t*)put(sample_pos.data(), S * 4);
+  m.temperature = (const float*)put(in.temperature, S * 4);
+  m.top_p = (const float*)put(in.top_p, S * 4);
+  m.top_k = (const int32_t*)put(in.top_k, S * 4);
+  m.seeds = (const uint64_t*)put(in.seeds, S * 8);
+  m.work = (const AttnWork*)put(work.data(), work.size() * sizeof(AttnWork));
+  OI_CHECK(off <= meta_in_bytes_, "step metadata overflows its staging area");
+  const size_t in_bytes = off;
+  off = meta_in_bytes_;  // outputs follow the inputs
+  const size_t out_start = off;
+  m.out_tokens = (int32_t*)(dev_meta_ + off); off = align_up(off + S * 4);
+  m.out_logprobs = (float*)(dev_meta_ + off); off = align_up(off + S * 4);
+  m.out_top_ids = (int32_t*)(dev_meta_ + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
+  m.out_top_logprobs = (float*)(dev_meta_ + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
+  OI_CHECK(off <= meta_bytes_, "step outputs overflow their staging area");
+
+  OI_CUDA_CHECK(cudaMemcpyAsync(dev_meta_, host_meta_, in_bytes, cudaMemcpyHostToDevice, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  qwen3_forward(d_, w_, act_, m, rope_, kv_cache, kv_, *gemm_, stream_);
+  OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(host_meta_ + out_start, dev_meta_ + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
+  StepResult r;
+  if (in.return_logits && S > 0) {
+    r.logits.resize((size_t)S * d_.vocab);
+    OI_CUDA_CHECK(cudaMemcpyAsync(r.logits.data(), act_.logits, r.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev0_, ev1_));
+  const char* h = host_meta_ + out_start;
+  auto take = [&](auto& vec, size_t n, size_t& o) {
+    using Tv = typename std::decay_t<decltype(vec)>::value_type;
+    vec.assign(reinterpret_cast<const Tv*>(h + o), reinterpret_cast<const Tv*>(h + o) + n);
+    o = align_up(o + n * sizeof(Tv));
+  };
+  size_t o = 0;
+  take(r.tokens, S, o);
+  take(r.logprobs, S, o);
+  take(r.top_ids, (size_t)S * in.num_logprobs, o);
+  take(r.top_logprobs, (size_t)S * in.num_logprobs, o);
+  return r;
+}
+
+}  // namespace oi

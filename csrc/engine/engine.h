@@ -1,0 +1,88 @@
+// Engine: owns the GPU state of one model -- weights, activations, the paged KV pool, the GEMM plans --
+// and runs one step per call. No Python types here; the binding converts NumPy arrays to HostStep.
+#pragma once
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../model/qwen3.h"
+
+namespace oi {
+
+struct EngineOptions {
+  int max_num_tokens = 8192;   // tokens per step
+  int max_num_seqs = 256;      // sequences (and sampled rows) per step
+  int max_model_len = 40960;
+  int block_size = 16;
+  double gpu_memory_utilization = 0.90;
+  int num_kv_blocks = 0;       // > 0: use exactly this many blocks instead of sizing from free memory
+  std::string cublaslt_path;   // hint for dlopen; empty: the loader's search path
+};
+
+// One step's inputs, as host pointers (layout: docs/architecture.md).
+struct HostStep {
+  int T = 0, B = 0, S = 0, bt_stride = 0;
+  const int32_t *ids, *positions, *query_start_loc, *context_lens, *block_tables, *slots, *sample_idx;
+  const float *temperature, *top_p;
+  const int32_t* top_k;
+  const uint64_t* seeds;
+  int num_logprobs = 0;
+  bool return_logits = false;
+};
+
+struct StepResult {
+  std::vector<int32_t> tokens, top_ids;
+  std::vector<float> logprobs, top_logprobs, logits;
+  float gpu_ms = 0.f;
+};
+
+class Engine {
+ public:
+  Engine(const ModelDims& dims, const EngineOptions& opt);
+  ~Engine();
+
+  // Copy one checkpoint tensor (bf16 bits, row-major [rows, cols]) into its slot; fused tensors take a
+  // row offset (q/k/v into qkv, gate/up into gate_up).
+  void load_tensor(const std::string& kind, int layer, const uint16_t* data, int64_t rows, int64_t cols,
+                   int64_t row_offset);
+  void init_random(uint64_t seed);
+  // After the weights: allocate activations, run one profiling step, size and zero the KV pool.
+  int64_t finalize();
+  StepResult step(const HostStep& in);
+
+  int64_t num_kv_blocks() const { return num_blocks_; }
+  int64_t kv_block_bytes() const { return kv_.block_stride() * (int64_t)sizeof(bf16); }
+  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t activation_bytes() const { return act_bytes_; }
+  int num_sms() const { return num_sms_; }
+  std::string device_name() const { return device_name_; }
+
+ private:
+  void* alloc(size_t bytes, int64_t* counter);
+  bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
+  StepResult run(const HostStep& in, bf16* kv_cache, int64_t num_blocks);
+
+  ModelDims d_;
+  EngineOptions opt_;
+  KvLayout kv_{};
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
+  int num_sms_ = 0;
+  std::string device_name_;
+  std::unique_ptr<Gemm> gemm_;
+  std::vector<void*> allocations_;
+  Weights w_;
+  Activations act_{};
+  float2* rope_ = nullptr;
+  bf16* kv_cache_ = nullptr;
+  int64_t num_blocks_ = 0;
+  int64_t weight_bytes_ = 0, act_bytes_ = 0;
+  int max_split_rows_ = 4096;
+  // one pinned staging area and its device twin for all per-step metadata and outputs
+  char* host_meta_ = nullptr;
+  char* dev_meta_ = nullptr;
+  size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
+  bool finalized_ = false;
+};
+
+}  // namespace oi

@@ -1,0 +1,40 @@
+// The one GEMM of the engine: Y[M, N] = X[M, K] · W[N, K]^T (+ Y), bf16 operands, fp32 accumulation,
+// through cuBLASLt. cuBLASLt is opened with dlopen when the first Gemm is made, so `_engine` imports on
+// machines without CUDA libraries; plans are cached per shape (made outside any graph capture).
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+
+#include "../common.h"
+
+namespace oi {
+
+struct LtApi;
+
+class Gemm {
+ public:
+  explicit Gemm(const std::string& library_hint);
+  ~Gemm();
+  Gemm(const Gemm&) = delete;
+  Gemm& operator=(const Gemm&) = delete;
+
+  // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
+  void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s);
+  // Make the plan for a shape ahead of time (before CUDA graph capture).
+  void prepare(int M, int N, int K, bool accumulate, bool out_f32);
+
+ private:
+  struct Plan;
+  using Key = std::tuple<int, int, int, bool, bool>;
+  Plan& plan(int M, int N, int K, bool accumulate, bool out_f32);
+
+  std::unique_ptr<LtApi> api_;
+  void* handle_ = nullptr;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 32u << 20;
+  std::map<Key, std::unique_ptr<Plan>> plans_;
+};
+
+}  // namespace oi

@@ -1,0 +1,47 @@
+// Causal attention over the paged KV cache, one kernel for prefill chunks and decode rows.
+// A work item is (sequence, first token, token count); a block serves one item, one KV head and one
+// split of the key range, with every query head of that KV head's group, so each K/V tile is read
+// once per group. Long contexts are split across blocks (flash-decoding) and merged by a second kernel.
+#pragma once
+#include "../common.h"
+#include "rope_kv.cuh"
+
+namespace oi {
+
+struct AttnWork {
+  int32_t seq, tok_start, num_tok, pad;
+};
+
+struct AttnArgs {
+  const bf16* q;             // q of token t, head h at q + t * q_stride + h * 128
+  int q_stride;
+  const bf16* kv_cache;
+  KvLayout kv;
+  int layer;
+  const int32_t* block_tables;  // [B, bt_stride]
+  int bt_stride;
+  const int32_t* positions;     // [T]
+  const int32_t* context_lens;  // [B]
+  const AttnWork* work;         // [num_work]
+  int num_work;
+  int num_tokens;               // T
+  int num_heads;                // query heads
+  int num_splits;               // >= 1; > 1 needs the workspace
+  int max_rows;                 // max over items of num_tok * group size (picks the block width)
+  bf16* out;                    // [T, num_heads * 128]
+  float* ws_o;                  // [num_splits, T, num_heads, 128]
+  float* ws_lse;                // [num_splits, T, num_heads]
+};
+
+constexpr int kAttnMaxRowsPerBlock = 32;  // query rows (tokens x group heads) per block
+constexpr int kAttnTile = 32;             // keys per tile (two 16-token pages)
+
+// Tokens per work item for a group size (rows per block / group).
+inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }
+
+// How many key splits fill the GPU for this launch (1 when the grid is already large).
+int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows);
+
+void paged_attention(const AttnArgs& a, cudaStream_t s);
+
+}  // namespace oi

@@ -1,0 +1,179 @@
+#include <cfloat>
+
+#include "sampling.cuh"
+
+namespace oi {
+namespace {
+
+constexpr int kThreads = 1024;
+
+__device__ __forceinline__ uint64_t mix64(uint64_t x) {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  return x;
+}
+
+__device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
+  const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + (uint64_t)(pos + 1) * 0xD1B54A32D192ED03ull + (uint64_t)i);
+  const float u = ((float)(h >> 40) + 0.5f) * 5.9604644775390625e-08f;  // 2^-24
+  return -logf(-logf(u));
+}
+
+// Order-preserving map of a float to uint32 (larger float -> larger key).
+__device__ __forceinline__ uint32_t fkey(float f) {
+  const uint32_t u = __float_as_uint(f);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+struct ArgMax {
+  float v;
+  int i;
+};
+__device__ __forceinline__ ArgMax better(ArgMax a, ArgMax b) {
+  return (b.v > a.v || (b.v == a.v && b.i < a.i)) ? b : a;
+}
+
+__device__ ArgMax block_argmax(ArgMax x, ArgMax* red) {
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgMax y{__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)};
+    x = better(x, y);
+  }
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  x = red[lane];  // kThreads / 32 == 32 warps
+  for (int o = 16; o > 0; o >>= 1) {
+    ArgMax y{__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)};
+    x = better(x, y);
+  }
+  return x;
+}
+
+__device__ float block_sum(float v, float* red) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  v = red[lane];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Radix select over float keys, 8 bits a pass. By count (kth largest key) or by mass (largest key K such
+// that the weights of keys >= K reach `target`). Only keys >= floor_key take part.
+template <bool kMass>
+__device__ uint32_t radix_select(const float* l, int V, uint32_t floor_key, float target, float mx, float inv_t,
+                                 float* hist, uint32_t* shared_prefix, float* shared_rem) {
+  uint32_t prefix = 0, mask = 0;
+  float rem = target;
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0.f;
+    __syncthreads();
+    for (int i = threadIdx.x; i < V; i += kThreads) {
+      const float v = l[i];
+      const uint32_t k = fkey(v);
+      if ((k & mask) == prefix && k >= floor_key)
+        atomicAdd(&hist[(k >> shift) & 255u], kMass ? __expf((v - mx) * inv_t) : 1.f);
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float acc = 0.f;
+      int chosen = -1, lowest = 0;
+      for (int b = 255; b >= 0; --b) {
+        if (hist[b] > 0.f) lowest = b;
+        if (hist[b] > 0.f && acc + hist[b] >= rem) {
+          chosen = b;
+          break;
+        }
+        acc += hist[b];
+      }
+      if (chosen < 0) chosen = lowest;  // rounding left the target unreached: keep everything left
+      else rem -= acc;
+      *shared_prefix = prefix | ((uint32_t)chosen << shift);
+      *shared_rem = rem;
+    }
+    __syncthreads();
+    prefix = *shared_prefix;
+    rem = *shared_rem;
+    mask |= 255u << shift;
+  }
+  return prefix;
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
+  __shared__ ArgMax red[32];
+  __shared__ float fred[32];
+  __shared__ float hist[256];
+  __shared__ uint32_t sprefix;
+  __shared__ float srem;
+  const int row = blockIdx.x;
+  const float* l = a.logits + (int64_t)row * a.vocab;
+  const int V = a.vocab;
+
+  ArgMax best{-INFINITY, 0x7fffffff};
+  for (int i = threadIdx.x; i < V; i += kThreads) best = better(best, ArgMax{l[i], i});
+  best = block_argmax(best, red);
+  const float mx = best.v;
+  float se = 0.f;
+  for (int i = threadIdx.x; i < V; i += kThreads) se += __expf(l[i] - mx);
+  const float lse = mx + logf(block_sum(se, fred));
+
+  int token = best.i;
+  const float temp = a.temperature[row];
+  if (temp > 0.f) {
+    const float inv_t = 1.f / temp;
+    const int k = a.top_k[row];
+    uint32_t floor_key = 0;
+    if (k > 0 && k < V) floor_key = radix_select<false>(l, V, 0, (float)k, mx, inv_t, hist, &sprefix, &srem);
+    const float p = a.top_p[row];
+    if (p < 1.f) {
+      float z = 0.f;
+      for (int i = threadIdx.x; i < V; i += kThreads)
+        if (fkey(l[i]) >= floor_key) z += __expf((l[i] - mx) * inv_t);
+      z = block_sum(z, fred);
+      floor_key = radix_select<true>(l, V, floor_key, p * z, mx, inv_t, hist, &sprefix, &srem);
+    }
+    const uint64_t seed = a.seeds[row];
+    const int pos = a.positions[row];
+    ArgMax draw{-INFINITY, 0x7fffffff};
+    for (int i = threadIdx.x; i < V; i += kThreads)
+      if (fkey(l[i]) >= floor_key) draw = better(draw, ArgMax{l[i] * inv_t + gumbel(seed, pos, i), i});
+    token = block_argmax(draw, red).i;
+  }
+  if (threadIdx.x == 0) {
+    a.tokens[row] = token;
+    a.logprobs[row] = l[token] - lse;
+  }
+  // Top-N by (logit desc, id asc): each round takes the best element strictly after the previous one.
+  ArgMax prev{INFINITY, -1};
+  for (int n = 0; n < a.num_logprobs; ++n) {
+    ArgMax c{-INFINITY, 0x7fffffff};
+    for (int i = threadIdx.x; i < V; i += kThreads) {
+      const float v = l[i];
+      if (v < prev.v || (v == prev.v && i > prev.i)) c = better(c, ArgMax{v, i});
+    }
+    c = block_argmax(c, red);
+    if (threadIdx.x == 0) {
+      a.top_ids[(int64_t)row * a.num_logprobs + n] = c.i;
+      a.top_logprobs[(int64_t)row * a.num_logprobs + n] = c.v - lse;
+    }
+    prev = c;
+  }
+}
+
+}  // namespace
+
+void sample(const SampleArgs& a, cudaStream_t s) {
+  OI_CHECK(a.num_logprobs >= 0 && a.num_logprobs <= kMaxLogprobs,
+           "sample: num_logprobs " << a.num_logprobs << " outside 0.." << kMaxLogprobs);
+  if (a.num_rows == 0) return;
+  sample_kernel<<<a.num_rows, kThreads, 0, s>>>(a);
+  OI_LAUNCH_CHECK("sample_kernel");
+}
+
+}  // namespace oi

@@ -1,0 +1,153 @@
+"""KV block bookkeeping: ids, ref counts, prefix hashes and the LRU of cached free blocks.
+
+Never touches device memory. Block 0 is reserved (padding entries of block tables point at it),
+so real data never lives there. A block is *sealed* once all its tokens' K/V are computed: it then
+carries hash(prev_hash, tokens) and can be shared by later requests with the same prefix. A sealed
+block whose ref count drops to 0 stays cached in an LRU until a fresh block is needed.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+NO_HASH = None
+
+
+def block_hash(prev_hash: int | None, token_ids: Sequence[int]) -> int:
+    return hash((prev_hash, tuple(token_ids)))
+
+
+class Block:
+    __slots__ = ("id", "ref_count", "hash", "prev_hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.id = block_id
+        self.ref_count = 0
+        self.hash: int | None = NO_HASH
+        self.prev_hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        if num_blocks < 2:
+            raise ValueError("num_blocks must be >= 2 (block 0 is reserved)")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.num_usable = num_blocks - 1
+        self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # uncached, ref 0; pop() -> lowest id
+        self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
+        self._by_hash: dict[int, int] = {}
+
+    # ---- queries ----
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (uncached free + evictable cached)."""
+        return len(self._free) + len(self._lru)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_usable - self.num_free
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def match_prefix(self, token_ids: Sequence[int], max_blocks: int) -> list[int]:
+        """Ids of cached blocks holding the longest full-block prefix of token_ids (read-only)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, out, prev = self.block_size, [], None
+        for i in range(min(max_blocks, len(token_ids) // bs)):
+            toks = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(prev, toks)
+            bid = self._by_hash.get(h)
+            if bid is None:
+                break
+            b = self.blocks[bid]
+            if b.token_ids != toks or b.prev_hash != prev:  # a hash collision, not a hit
+                break
+            out.append(bid)
+            prev = h
+        return out
+
+    def is_free(self, block_id: int) -> bool:
+        return self.blocks[block_id].ref_count == 0
+
+    # ---- mutations ----
+    def acquire(self, block_ids: Sequence[int]) -> None:
+        """Takes a reference on cached blocks (prefix hits)."""
+        for bid in block_ids:
+            b = self.blocks[bid]
+            if b.ref_count == 0:
+                del self._lru[bid]
+            b.ref_count += 1
+
+    def allocate(self) -> int:
+        """A fresh block with ref count 1, evicting the least recently used cached block if needed."""
+        if self._free:
+            bid = self._free.pop()
+        elif self._lru:
+            bid, _ = self._lru.popitem(last=False)
+            self._drop_hash(self.blocks[bid])
+        else:
+            raise RuntimeError("KV block pool exhausted (admission control should have prevented this)")
+        self.blocks[bid].ref_count = 1
+        return bid
+
+    def seal(self, block_id: int, prev_hash: int | None, token_ids: Sequence[int]) -> int:
+        """Marks a full block's contents; returns its chain hash (for the next block)."""
+        toks = tuple(token_ids)
+        assert len(toks) == self.block_size
+        h = block_hash(prev_hash, toks)
+        if self.enable_prefix_caching and h not in self._by_hash:
+            b = self.blocks[block_id]
+            b.hash, b.prev_hash, b.token_ids = h, prev_hash, toks
+            self._by_hash[h] = block_id
+        return h  # an identical block already cached keeps serving hits; this one stays private
+
+    def release(self, block_ids: Sequence[int]) -> None:
+        """Drops one reference each. Pass a sequence's table in order: the tail is freed first, so
+        it is evicted before the shared prefix."""
+        for bid in reversed(block_ids):
+            b = self.blocks[bid]
+            assert b.ref_count > 0, f"block {bid} released more often than taken"
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.hash is not NO_HASH:
+                    self._lru[bid] = None
+                else:
+                    self._free.append(bid)
+
+    def _drop_hash(self, b: Block) -> None:
+        if b.hash is not NO_HASH:
+            del self._by_hash[b.hash]
+            b.hash, b.prev_hash, b.token_ids = NO_HASH, None, ()
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block that nobody holds."""
+        while self._lru:
+            bid, _ = self._lru.popitem(last=False)
+            self._drop_hash(self.blocks[bid])
+            self._free.append(bid)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError when the bookkeeping is inconsistent."""
+        free, lru = set(self._free), set(self._lru)
+        assert len(free) == len(self._free), "duplicate ids in the free list"
+        assert not free & lru, "a block is both free and cached-free"
+        assert 0 not in free and 0 not in lru and self.blocks[0].ref_count == 0, "block 0 is reserved"
+        for b in self.blocks[1:]:
+            if b.ref_count < 0:
+                raise AssertionError(f"block {b.id} has ref count {b.ref_count}")
+            if b.ref_count == 0:
+                assert (b.id in free) != (b.id in lru), f"free block {b.id} is in neither or both pools"
+                assert (b.id in lru) == (b.hash is not NO_HASH), f"block {b.id}: LRU membership != cached"
+            else:
+                assert b.id not in free and b.id not in lru, f"block {b.id} in use but listed free"
+            if b.hash is not NO_HASH:
+                assert self._by_hash.get(b.hash) == b.id, f"block {b.id}: hash not indexed"
+                assert block_hash(b.prev_hash, b.token_ids) == b.hash, f"block {b.id}: stale hash"
+        assert len(self._by_hash) == sum(b.hash is not NO_HASH for b in self.blocks), "orphan hash entries"
+        assert len(free) + len(lru) + sum(b.ref_count > 0 for b in self.blocks) == self.num_usable

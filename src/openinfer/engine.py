@@ -1,0 +1,157 @@
+"""`LLMEngine` (the synchronous step loop) and the public `Engine.generate`."""
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Sequence as Seq
+
+import numpy as np
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .runner import Runner
+from .sampling_params import SamplingParams
+from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, Scheduler
+from .tokenizer import Tokenizer
+
+log = logging.getLogger("openinfer")
+
+
+class LLMEngine:
+    """step() = scheduler.schedule() -> runner.run() -> scheduler.postprocess(). Not thread-safe:
+    drive it from one thread."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.model_config = config.model_config
+        self.tokenizer = Tokenizer.from_model_dir(config.model_path)
+        self.backend = self._make_backend()
+        self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager, self.tokenizer, max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
+            max_waiting=config.max_waiting,
+            eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
+        self.runner = Runner(self.backend, config.kv_block_size)
+        self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
+        log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d", config.device,
+                 self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len)
+
+    def _make_backend(self):
+        c, m = self.config, self.model_config
+        if c.device == "cuda":
+            try:
+                from .cuda_backend import CudaBackend
+                return CudaBackend(m, c)  # its own errors (no GPU, out of memory) propagate as they are
+            except ImportError as e:  # the compiled _engine (or the module) is missing
+                raise RuntimeError(f"device='cuda' needs openinfer's compiled CUDA engine, which could not be "
+                                   f"imported ({e}); use device='cpu' for the NumPy reference backend") from None
+        from .reference import ReferenceBackend
+        if c.load_format == "random":
+            from .tools.random_checkpoint import random_weights_fp32
+            weights = random_weights_fp32(m, c.seed)
+        else:
+            from .loader import load_weights_fp32
+            weights = load_weights_fp32(c.model_path, m)
+        return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size)
+
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> None:
+        """Queues a request; raises RequestRejected (can never run) or QueueFull (try later)."""
+        params = params or SamplingParams()
+        ids = [int(t) for t in prompt_token_ids]
+        V = self.model_config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < V), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {V})")
+        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
+        self.scheduler.add_request(request_id, ids, params, seed)
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestUpdate]:
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            return []
+        out = self.runner.run(batch)
+        return self.scheduler.postprocess(batch, out)
+
+    def stats(self) -> dict:
+        return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Logprob] | None
+
+
+class Engine:
+    """Offline generation: `Engine(model_path, device="cpu").generate(["Hello"], SamplingParams(...))`.
+
+    Options are the fields of EngineConfig."""
+
+    _ids = itertools.count()
+
+    def __init__(self, model_path: str, **options):
+        self.llm_engine = LLMEngine(EngineConfig(model_path=model_path, **options))
+        self.tokenizer = self.llm_engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Prompts: a string, a list of strings, a list of token ids, or a list of such lists.
+        Returns one RequestOutput per prompt, in input order; all prompts batch together."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        outs: dict[str, RequestOutput] = {}
+        order, pending = [], deque()
+        for p, sp in zip(prompts, params):
+            rid = f"generate-{next(self._ids)}"
+            text, ids = (p, self.tokenizer.encode(p)) if isinstance(p, str) else (None, [int(t) for t in p])
+            outs[rid] = RequestOutput(rid, text, ids, "", [], None, [] if sp.logprobs is not None else None)
+            order.append(rid)
+            pending.append((rid, ids, sp))
+        eng = self.llm_engine
+        try:
+            while pending or eng.has_unfinished():
+                while pending:  # a bounded waiting queue: feed it as room frees up
+                    try:
+                        eng.add_request(*pending[0])
+                    except QueueFull:
+                        break
+                    pending.popleft()
+                for u in eng.step():
+                    o = outs[u.request_id]
+                    o.token_ids += u.new_token_ids
+                    o.text += u.new_text
+                    if u.logprobs is not None:
+                        o.logprobs += u.logprobs
+                    if u.finished:
+                        o.finish_reason = u.finish_reason
+        except BaseException:
+            for rid in order:  # leave the engine clean for the next call
+                eng.abort_request(rid)
+            raise
+        return [outs[r] for r in order]
+
+
+__all__ = ["LLMEngine", "Engine", "RequestOutput", "RequestUpdate", "RequestRejected", "QueueFull"]

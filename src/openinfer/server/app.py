@@ -1,0 +1,575 @@
+"""The starlette app: OpenAI-compatible routes over an AsyncEngine.
+
+Request path: read the body (size-capped) -> JSON -> protocol validation -> prompt token ids (chat
+template for chat) -> length checks -> one engine request per choice -> JSON or SSE response.
+Every failure before the engine is an APIError (4xx); an engine failure is a 500 for the requests
+it touched, never for the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatError, ChatOutputParser,
+                    ChatTemplate, normalize_messages, normalize_tools)
+from ..sampling_params import SamplingParams
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
+from .metrics import CONTENT_TYPE, Metrics, RequestTimer
+from .protocol import APIError, GenParams, bad, parse_chat, parse_completion
+
+log = logging.getLogger("openinfer.server")
+
+DEFAULT_MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 1
+
+
+def _engine_errors():
+    """The engine's admission exceptions (imported late: the engine module loads the backends)."""
+    from ..engine import QueueFull, RequestRejected
+    return RequestRejected, QueueFull
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    template: ChatTemplate | None
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None
+    max_body_bytes: int
+    metrics: Metrics
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+def _internal(msg: str) -> APIError:
+    return APIError(500, msg, type="server_error", code="internal_error")
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    cl = request.headers.get("content-length", "")
+    if cl.isdigit() and int(cl) > 4 * limit:  # not worth draining: refuse and drop the connection
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large",
+                       headers={"Connection": "close"})
+    chunks, size = [], 0
+    async for chunk in request.stream():  # drain it all so the client sees the 413, not a reset
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 4 * limit:
+            break
+    if size > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    try:
+        return json.loads(b"".join(chunks))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
+        raise bad(f"request body is not valid JSON: {e}"[:300]) from None
+
+
+def _check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{st.model_name}'", param="model", code="model_not_found")
+
+
+def _check_ids(st: ServerState, ids: list[int], param: str) -> list[int]:
+    if any(not 0 <= t < st.vocab_size for t in ids):
+        raise bad(f"token ids must be in [0, {st.vocab_size})", param)
+    return ids
+
+
+def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> None:
+    if n_prompt == 0:
+        raise bad("the prompt is empty after tokenization", param)
+    want = n_prompt + (max_tokens or 1)
+    if want > st.max_model_len:
+        raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, you "
+                  f"requested {want} tokens ({n_prompt} in the prompt, {max_tokens or 1} for the "
+                  "completion). Please reduce the prompt or max_tokens.", param,
+                  "context_length_exceeded")
+
+
+def _sampling_params(gen: GenParams) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature,
+                              top_p=gen.top_p, top_k=gen.top_k, seed=gen.seed, stop=gen.stop,
+                              stop_token_ids=gen.stop_token_ids, ignore_eos=gen.ignore_eos,
+                              logprobs=gen.logprobs, skip_special_tokens=gen.skip_special_tokens)
+    except ValueError as e:
+        raise bad(str(e)) from None
+
+
+async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
+    """One engine request per prompt; maps admission errors to 400 / 503."""
+    RequestRejected, QueueFull = _engine_errors()
+    try:
+        group = st.engine.new_group()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+    try:
+        for i, ids in enumerate(prompts):
+            await group.add(i, ids, params)
+    except EngineDeadError as e:
+        group.close()
+        raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+    except QueueFull as e:
+        group.close()
+        raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except (RequestRejected, ValueError) as e:
+        group.close()
+        raise bad(str(e), param, "request_rejected") from None
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, group, on_update) -> None:
+    """Feeds every update to on_update; aborts the requests when the client goes away."""
+    async def consume():
+        async for idx, u in group.updates():
+            on_update(idx, u)
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            work.cancel()
+            raise asyncio.CancelledError("client disconnected")
+        work.result()  # re-raise an engine error
+    finally:
+        watch.cancel()
+        group.close()
+
+
+class SSEResponse(StreamingResponse):
+    """Server-sent events that always watch for a disconnect (whatever the ASGI spec version) and
+    always run `on_close`, so an abandoned stream frees its engine requests at once."""
+
+    def __init__(self, content: AsyncIterator[str], on_close):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def stream():
+                    try:
+                        await self.stream_response(send)
+                    finally:
+                        tg.cancel_scope.cancel()
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        except OSError:
+            pass
+        finally:
+            self._on_close()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                with anyio.CancelScope(shield=True):
+                    await aclose()
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+def _token_str(tok, tid: int) -> str:
+    return tok.decode([tid], skip_special_tokens=False)
+
+
+def _logprob_rows(u) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    """An update's logprobs as (token id, logprob, [(top id, top logprob), ...]) per new token."""
+    return [(e.token_id, e.logprob, e.top) for e in (u.logprobs or [])]
+
+
+def _completion_logprobs(tok, rows, offset: int) -> dict:
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp, top in rows:
+        s = _token_str(tok, tid)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append({_token_str(tok, i): v for i, v in top})
+        out["text_offset"].append(offset)
+        offset += len(s)
+    return out
+
+
+def _chat_logprobs(tok, rows) -> list[dict]:
+    def entry(tid, lp):
+        s = _token_str(tok, tid)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    return [{**entry(tid, lp), "top_logprobs": [entry(i, v) for i, v in top]}
+            for tid, lp, top in rows]
+
+
+# ----------------------------------------------------------------------------- routes
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.openinfer
+
+
+def _auth(st: ServerState, request: Request) -> None:
+    if st.api_key is None:
+        return
+    h = request.headers.get("authorization", "")
+    key = h[7:].strip() if h[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(key.encode(), st.api_key.encode()):
+        raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+def _route(fn, authed: bool = True):
+    """Wraps a handler: auth, APIError -> OpenAI error JSON, anything else -> logged 500."""
+    async def handler(request: Request) -> Response:
+        st = _state(request)
+        try:
+            if authed:
+                _auth(st, request)
+            return await fn(st, request)
+        except APIError as e:
+            return _error(e)
+        except ChatError as e:
+            return _error(bad(str(e), e.param))
+        except EngineStepError as e:
+            return _error(_internal(str(e)))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("unhandled error in %s", request.url.path)
+            return _error(_internal(f"internal error: {type(e).__name__}"))
+    return handler
+
+
+async def health(st: ServerState, request: Request) -> Response:
+    if st.engine.alive:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "engine loop not running"}, status_code=503)
+
+
+async def metrics(st: ServerState, request: Request) -> Response:
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "openinfer",
+            "max_model_len": st.max_model_len}
+
+
+async def list_models(st: ServerState, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def get_model(st: ServerState, request: Request) -> Response:
+    _check_model(st, request.path_params["model"])
+    return JSONResponse(_model_card(st))
+
+
+def _render_chat(st: ServerState, req) -> tuple[str, dict]:
+    """Prompt text for a chat request, plus how to parse the model's output."""
+    if st.template is None:
+        raise bad("this model has no chat template; use /v1/completions", "messages")
+    messages = normalize_messages(req.messages)
+    tools = normalize_tools(req.tools) if req.tool_choice != "none" else None
+    if req.named_tool and tools:  # the model sees only the function it must call
+        tools = [t for t in tools if t["function"]["name"] == req.named_tool]
+    prompt = st.template.render(messages, tools, add_generation_prompt=req.add_generation_prompt,
+                                enable_thinking=req.enable_thinking, **req.template_kwargs)
+    tail = prompt.rstrip()
+    reasoning = not tail.endswith(THINK_END)  # enable_thinking=False closed the block already
+    prefill = ""
+    if req.named_tool:
+        # Forcing a named function: write the call's opening ourselves; the model fills in the
+        # arguments. The parser sees the prefill as if the model had written it.
+        prefill = TOOL_CALL_START + "\n" + json.dumps({"name": req.named_tool})[:-1] + ", \"arguments\": "
+        reasoning = False
+    return prompt + prefill, {"reasoning": reasoning, "started_in_think": tail.endswith(THINK_START),
+                              "tools": tools is not None, "prefill": prefill}
+
+
+async def tokenize(st: ServerState, request: Request) -> Response:
+    body = await _read_json(request, st.max_body_bytes)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(st, body.get("model"))
+    if "messages" in body:
+        req = parse_chat({k: v for k, v in body.items() if k in (
+            "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")})
+        text, _ = _render_chat(st, req)
+    elif isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    else:
+        raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+    ids = st.tokenizer.encode(text)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
+
+
+async def detokenize(st: ServerState, request: Request) -> Response:
+    body = await _read_json(request, st.max_body_bytes)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(st, body.get("model"))
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    _check_ids(st, ids, "tokens")
+    return JSONResponse({"prompt": st.tokenizer.decode(ids, skip_special_tokens=False)})
+
+
+def _usage(n_prompt: int, n_gen: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+async def completions(st: ServerState, request: Request) -> Response:
+    t0 = now()
+    req = parse_completion(await _read_json(request, st.max_body_bytes))
+    _check_model(st, req.model)
+    prompts = [_check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p)
+               for p in req.prompts]
+    for ids in prompts:
+        _check_length(st, len(ids), req.gen.max_tokens, "prompt")
+    params = _sampling_params(req.gen)
+    group = await _submit(st, prompts, params, "prompt")
+    n_prompt = sum(len(p) for p in prompts)
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    timers = [RequestTimer(st.metrics, t0) for _ in prompts]
+    want_lp = req.gen.logprobs is not None
+
+    def chunk(choices, usage=None):
+        c = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+             "choices": choices}
+        if req.gen.include_usage:
+            c["usage"] = usage
+        return c
+
+    if req.gen.stream:
+        async def events():
+            n_gen, offsets = 0, [0] * len(prompts)
+            try:
+                async for idx, u in group.updates():
+                    timers[idx].tokens_arrived(len(u.new_token_ids), now())
+                    n_gen += len(u.new_token_ids)
+                    rows = _logprob_rows(u) if want_lp else []
+                    if u.new_text or rows or u.finished:
+                        lp = _completion_logprobs(st.tokenizer, rows, offsets[idx]) if want_lp else None
+                        offsets[idx] += len(u.new_text)
+                        yield _sse(chunk([{"index": idx, "text": u.new_text, "logprobs": lp,
+                                           "finish_reason": u.finish_reason if u.finished else None}]))
+                    if u.finished:
+                        timers[idx].finish()
+                if req.gen.include_usage:
+                    yield _sse(chunk([], _usage(n_prompt, n_gen)))
+            except EngineStepError as e:
+                yield _sse(_internal(str(e)).body())
+            except Exception as e:  # headers are out: report in-band rather than cut the stream
+                log.exception("stream failed")
+                yield _sse(_internal(f"internal error: {type(e).__name__}").body())
+            yield "data: [DONE]\n\n"
+        return SSEResponse(events(), group.close)
+
+    texts = [[] for _ in prompts]
+    ntok = [0] * len(prompts)
+    rows = [[] for _ in prompts]
+    finish = [None] * len(prompts)
+
+    def on_update(idx, u):
+        timers[idx].tokens_arrived(len(u.new_token_ids), now())
+        texts[idx].append(u.new_text)
+        ntok[idx] += len(u.new_token_ids)
+        if want_lp:
+            rows[idx].extend(_logprob_rows(u))
+        if u.finished:
+            finish[idx] = u.finish_reason
+            timers[idx].finish()
+
+    await _collect(request, group, on_update)
+    choices = [{"index": i, "text": "".join(texts[i]),
+                "logprobs": _completion_logprobs(st.tokenizer, rows[i], 0) if want_lp else None,
+                "finish_reason": finish[i]} for i in range(len(prompts))]
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                         "model": st.model_name, "choices": choices,
+                         "usage": _usage(n_prompt, sum(ntok))})
+
+
+def _delta_json(d, tool_index: int) -> tuple[dict, int]:
+    out: dict = {}
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = []
+        for c in d.tool_calls:
+            out["tool_calls"].append({"index": tool_index, **c.to_openai()})
+            tool_index += 1
+    return out, tool_index
+
+
+async def chat_completions(st: ServerState, request: Request) -> Response:
+    t0 = now()
+    req = parse_chat(await _read_json(request, st.max_body_bytes))
+    _check_model(st, req.model)
+    prompt, how = _render_chat(st, req)
+    ids = st.tokenizer.encode(prompt)
+    _check_length(st, len(ids), req.gen.max_tokens, "messages")
+    params = _sampling_params(req.gen)
+    group = await _submit(st, [ids], params, "messages")
+    parser = ChatOutputParser(reasoning=how["reasoning"], tools=how["tools"],
+                              started_in_think=how["started_in_think"])
+    if how["prefill"]:
+        parser.feed(how["prefill"])  # held inside the open tag: yields nothing
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    timer = RequestTimer(st.metrics, t0)
+    want_lp = req.gen.logprobs is not None
+
+    def finish_reason(reason):
+        return "tool_calls" if parser.num_tool_calls and reason == "stop" else reason
+
+    if req.gen.stream:
+        def chunk(delta, fr=None, lp=None, usage=None, choices=True):
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                 "model": st.model_name,
+                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}]
+                 if choices else []}
+            if req.gen.include_usage:
+                c["usage"] = usage
+            return c
+
+        async def events():
+            n_gen, tool_index = 0, 0
+            try:
+                yield _sse(chunk({"role": "assistant", "content": ""}))
+                async for _, u in group.updates():
+                    timer.tokens_arrived(len(u.new_token_ids), now())
+                    n_gen += len(u.new_token_ids)
+                    d = parser.feed(u.new_text)
+                    delta, tool_index = _delta_json(d, tool_index)
+                    if u.finished:
+                        tail, tool_index = _delta_json(parser.finish(), tool_index)
+                        for k, v in tail.items():
+                            delta[k] = delta[k] + v if k in delta else v
+                    rows = _logprob_rows(u) if want_lp else []
+                    lp = {"content": _chat_logprobs(st.tokenizer, rows)} if rows else None
+                    if delta or lp:
+                        yield _sse(chunk(delta, lp=lp))
+                    if u.finished:
+                        timer.finish()
+                        yield _sse(chunk({}, fr=finish_reason(u.finish_reason)))
+                if req.gen.include_usage:
+                    yield _sse(chunk(None, usage=_usage(len(ids), n_gen), choices=False))
+            except EngineStepError as e:
+                yield _sse(_internal(str(e)).body())
+            except Exception as e:  # headers are out: report in-band rather than cut the stream
+                log.exception("stream failed")
+                yield _sse(_internal(f"internal error: {type(e).__name__}").body())
+            yield "data: [DONE]\n\n"
+        return SSEResponse(events(), group.close)
+
+    text, n_gen, rows, fin = [], 0, [], [None]
+
+    def on_update(_, u):
+        nonlocal n_gen
+        timer.tokens_arrived(len(u.new_token_ids), now())
+        text.append(u.new_text)
+        n_gen += len(u.new_token_ids)
+        if want_lp:
+            rows.extend(_logprob_rows(u))
+        if u.finished:
+            fin[0] = u.finish_reason
+            timer.finish()
+
+    await _collect(request, group, on_update)
+    d = parser.parse("".join(text))
+    message: dict = {"role": "assistant",
+                     "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
+                     else None}
+    if d.reasoning:
+        message["reasoning_content"] = d.reasoning
+    if d.tool_calls:
+        message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+    choice = {"index": 0, "message": message, "finish_reason": finish_reason(fin[0]),
+              "logprobs": {"content": _chat_logprobs(st.tokenizer, rows)} if want_lp else None}
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                         "model": st.model_name, "choices": [choice],
+                         "usage": _usage(len(ids), n_gen)})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                           code=code))
+
+
+def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              chat_template: ChatTemplate | None = None) -> Starlette:
+    """The ASGI app over a constructed LLMEngine; the engine loop starts with the app's lifespan."""
+    ae = AsyncEngine(engine)
+    tok = engine.tokenizer
+    if chat_template is None and getattr(tok, "chat_template", None):
+        chat_template = ChatTemplate(tok.chat_template)
+    st = ServerState(engine=ae, tokenizer=tok, template=chat_template, model_name=served_model_name,
+                     max_model_len=engine.config.max_model_len,
+                     vocab_size=engine.model_config.vocab_size, api_key=api_key,
+                     max_body_bytes=max_body_bytes, metrics=Metrics(ae, served_model_name))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        ae.start()
+        try:
+            yield
+        finally:
+            ae.shutdown()
+
+    routes = [
+        Route("/health", _route(health, authed=False), methods=["GET"]),
+        Route("/metrics", _route(metrics, authed=False), methods=["GET"]),
+        Route("/v1/models", _route(list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _route(get_model), methods=["GET"]),
+        Route("/v1/completions", _route(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _route(chat_completions), methods=["POST"]),
+        Route("/tokenize", _route(tokenize), methods=["POST"]),
+        Route("/detokenize", _route(detokenize), methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan,
+                    exception_handlers={HTTPException: _http_error})
+    app.state.openinfer = st
+    return app

@@ -1,0 +1,232 @@
+"""AsyncEngine: the synchronous LLMEngine step loop in its own thread, fed from asyncio.
+
+The engine is not thread-safe, so only the loop thread touches it: requests and aborts arrive on a
+thread-safe inbox, and updates go back to each request group's asyncio.Queue through
+`loop.call_soon_threadsafe`. The backend's step releases the GIL, so the event loop keeps serving
+HTTP while a step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+log = logging.getLogger("openinfer.server")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop thread is gone; nothing can be served."""
+
+
+class EngineStepError(RuntimeError):
+    """A step raised; the requests in flight were failed and aborted, the loop lives on."""
+
+
+@dataclass
+class _Sub:
+    """One engine request belonging to a group (one choice of an HTTP request)."""
+    group: "RequestGroup"
+    index: int
+
+
+class RequestGroup:
+    """The engine requests of one HTTP request, all reporting into one asyncio queue."""
+
+    def __init__(self, engine: "AsyncEngine", prefix: str):
+        self._engine = engine
+        self._loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.request_ids: list[str] = []
+        self._prefix = prefix
+        self._open = 0  # sub-requests not finished yet
+
+    def _post(self, item) -> None:  # called from the engine thread
+        try:
+            self._loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # event loop closed: the server is shutting down
+            pass
+
+    async def add(self, index: int, prompt_token_ids: list[int], params: Any) -> str:
+        """Submits one request; raises the engine's admission error (RequestRejected, QueueFull)."""
+        rid = f"{self._prefix}-{index}"
+        fut = self._loop.create_future()
+        self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
+        self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
+        while not (await asyncio.wait({fut}, timeout=1.0))[0]:
+            if not self._engine.alive:  # the loop died before reading our message
+                raise EngineDeadError("the engine loop is not running")
+        fut.result()  # raises the admission error, if any
+        self._open += 1
+        return rid
+
+    async def updates(self, timeout: float | None = None) -> AsyncIterator[tuple[int, Any]]:
+        """(index, RequestUpdate) until every sub-request has finished; raises EngineStepError."""
+        while self._open > 0:
+            idx, item = await asyncio.wait_for(self.queue.get(), timeout)
+            if isinstance(item, BaseException):
+                self._open = 0
+                raise item
+            if item.finished:
+                self._open -= 1
+            yield idx, item
+
+    def close(self) -> None:
+        """Aborts whatever has not finished (client gone, error, cancellation). Idempotent."""
+        for rid in self.request_ids:
+            self._engine._submit(("abort", rid))
+        self.request_ids = []
+
+
+class AsyncEngine:
+    def __init__(self, engine: Any, idle_poll_s: float = 0.05):
+        self.engine = engine
+        self._inbox: queue.Queue = queue.Queue()
+        self._subs: dict[str, _Sub] = {}  # engine thread only
+        self._stop = threading.Event()
+        self._idle_poll_s = idle_poll_s
+        self._ids = itertools.count()
+        self.stats: dict = {}  # snapshot of engine.stats(), replaced (never mutated) by the loop
+        self.step_count = 0
+        self.fatal: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
+
+    # -- asyncio side
+    def start(self) -> None:
+        self._refresh_stats()
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def new_group(self) -> RequestGroup:
+        if not self.alive:
+            raise EngineDeadError("the engine loop is not running")
+        return RequestGroup(self, f"req-{next(self._ids)}")
+
+    def _submit(self, msg: tuple) -> None:
+        self._inbox.put(msg)
+
+    # -- engine thread
+    def _refresh_stats(self) -> None:
+        try:
+            s = self.engine.stats()
+            self.stats = dict(s) if isinstance(s, dict) else dict(vars(s))
+        except Exception:  # metrics must never take the loop down
+            log.exception("engine.stats() failed")
+
+    def _handle(self, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "add":
+            _, rid, ids, params, sub, fut, loop = msg
+            try:
+                self.engine.add_request(rid, ids, params)
+            except Exception as e:  # admission refused (or bad input): report to the waiter only
+                _settle_from_thread(loop, fut, e)
+                return
+            self._subs[rid] = sub
+            _settle_from_thread(loop, fut, None)
+        elif kind == "abort":
+            rid = msg[1]
+            if self._subs.pop(rid, None) is not None:
+                try:
+                    self.engine.abort_request(rid)
+                except Exception:
+                    log.exception("abort_request(%s) failed", rid)
+
+    def _drain(self, block: bool) -> bool:
+        """Handles every queued message; blocks briefly for the first one when idle."""
+        handled = False
+        try:
+            msg = self._inbox.get(timeout=self._idle_poll_s) if block else self._inbox.get_nowait()
+            while True:
+                self._handle(msg)
+                handled = True
+                msg = self._inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return handled
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+        for rid, sub in list(self._subs.items()):
+            sub.group._post((sub.index, err))
+            try:
+                self.engine.abort_request(rid)
+            except Exception:
+                log.exception("abort_request(%s) after a failed step failed", rid)
+        self._subs.clear()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished()
+                if self._drain(block=not busy) or not busy:
+                    self._refresh_stats()
+                if not self.engine.has_unfinished():
+                    continue
+                try:
+                    updates = self.engine.step()
+                except Exception as e:
+                    log.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(e)
+                    self._refresh_stats()
+                    continue
+                self.step_count += 1
+                for u in updates:
+                    sub = self._subs.get(u.request_id)
+                    if sub is None:
+                        continue  # aborted meanwhile
+                    if u.finished:
+                        del self._subs[u.request_id]
+                    sub.group._post((sub.index, u))
+                self._refresh_stats()
+        except Exception as e:  # the loop itself broke: /health turns 503
+            self.fatal = e
+            log.exception("engine loop died")
+            self._fail_all(EngineDeadError("engine loop died"))
+        finally:
+            self._stop.set()
+            self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """After the loop ends, fails admissions nobody will read any more."""
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _settle_from_thread(msg[6], msg[5], EngineDeadError("the engine loop is not running"))
+
+
+def _settle_from_thread(loop, fut: asyncio.Future, exc: BaseException | None) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, fut, exc)
+    except RuntimeError:  # event loop closed: nobody is waiting
+        pass
+
+
+def _settle(fut: asyncio.Future, exc: BaseException | None) -> None:
+    if fut.done():  # the waiter was cancelled; its close() aborts the request
+        return
+    if exc is None:
+        fut.set_result(None)
+    else:
+        fut.set_exception(exc)
+
+
+def now() -> float:
+    return time.perf_counter()

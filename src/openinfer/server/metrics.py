@@ -1,0 +1,119 @@
+"""Prometheus metrics. One registry per app, so several servers in one process do not collide.
+
+Engine-side numbers (queues, KV blocks, token counters) are read from the engine loop's latest
+`stats()` snapshot at scrape time; latency histograms are observed on the asyncio side as updates
+arrive.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# stats() keys (several spellings accepted, so the engine can name them as it likes)
+_KEYS = {
+    "running": ("running", "num_running"),
+    "waiting": ("waiting", "num_waiting"),
+    "kv_used": ("kv_blocks_used", "num_used_blocks", "used_blocks"),
+    "kv_free": ("kv_blocks_free", "num_free_blocks", "free_blocks"),
+    "hit": ("prefix_cache_hit_tokens", "prefix_hit_tokens"),
+    "query": ("prefix_cache_queried_tokens", "prefix_cache_query_tokens"),
+    "cached": ("kv_blocks_cached",),
+    "promised": ("kv_blocks_promised",),
+    "prompt": ("prompt_tokens", "prompt_tokens_total", "num_prompt_tokens"),
+    "gen": ("generation_tokens", "generation_tokens_total", "num_generation_tokens"),
+}
+
+
+def stat(stats: dict, key: str, default: float = 0) -> float:
+    for k in _KEYS[key]:
+        if k in stats and stats[k] is not None:
+            return stats[k]
+    return default
+
+
+class _EngineCollector:
+    def __init__(self, async_engine, model_name: str):
+        self.ae, self.model = async_engine, model_name
+
+    def collect(self):
+        s, lab = self.ae.stats, [self.model]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(lab, float(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(lab, float(value))
+            return c
+
+        hit, query = stat(s, "hit"), stat(s, "query")
+        yield gauge("openinfer_engine_alive", "1 while the engine loop thread runs", self.ae.alive)
+        yield gauge("openinfer_num_requests_running", "Requests in the decode batch", stat(s, "running"))
+        yield gauge("openinfer_num_requests_waiting", "Requests waiting for admission", stat(s, "waiting"))
+        yield gauge("openinfer_kv_blocks_used", "KV-cache blocks held by requests", stat(s, "kv_used"))
+        yield gauge("openinfer_kv_blocks_free", "KV-cache blocks free (cached-free included)",
+                    stat(s, "kv_free"))
+        yield gauge("openinfer_kv_blocks_cached", "Free KV blocks still holding a cached prefix",
+                    stat(s, "cached"))
+        yield gauge("openinfer_kv_blocks_promised", "KV blocks reserved for admitted requests, "
+                    "not yet allocated", stat(s, "promised"))
+        yield gauge("openinfer_prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens",
+                    hit / query if query else 0.0)
+        yield counter("openinfer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", hit)
+        yield counter("openinfer_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
+                      query)
+        yield counter("openinfer_prompt_tokens", "Prompt tokens processed", stat(s, "prompt"))
+        yield counter("openinfer_generation_tokens", "Tokens generated", stat(s, "gen"))
+        yield counter("openinfer_engine_steps", "Engine steps run", self.ae.step_count)
+
+
+class Metrics:
+    def __init__(self, async_engine, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(async_engine, model_name))
+        self.ttft = Histogram(
+            "openinfer_time_to_first_token_seconds", "Arrival to first generated token",
+            registry=self.registry,
+            buckets=(0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                     7.5, 10.0, 20.0, 40.0, 80.0))
+        self.tpot = Histogram(
+            "openinfer_time_per_output_token_seconds", "Mean inter-token time of a request after its first",
+            registry=self.registry,
+            buckets=(0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075,
+                     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5))
+        self.e2e = Histogram("openinfer_e2e_request_latency_seconds", "Arrival to last token",
+                             registry=self.registry,
+                             buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Per-request latency bookkeeping; observes TTFT at the first token, TPOT at the end."""
+
+    def __init__(self, metrics: Metrics, t_arrival: float):
+        self.m, self.t0 = metrics, t_arrival
+        self.t_first: float | None = None
+        self.t_last = t_arrival
+        self.tokens = 0
+
+    def tokens_arrived(self, n: int, t: float) -> None:
+        if n <= 0:
+            return
+        if self.t_first is None:
+            self.t_first = t
+            self.m.ttft.observe(t - self.t0)
+        self.tokens += n
+        self.t_last = t
+
+    def finish(self) -> None:
+        if self.t_first is not None:
+            self.m.e2e.observe(self.t_last - self.t0)
+            if self.tokens > 1:
+                self.m.tpot.observe((self.t_last - self.t_first) / (self.tokens - 1))

@@ -1,0 +1,243 @@
+"""OpenAI request validation and error shape.
+
+Every client mistake becomes an `APIError` (a 4xx in OpenAI's `{"error": {...}}` shape) before the
+request reaches the engine. Fields we do not implement are refused by name when they are set to a
+non-default value (clients commonly send `frequency_penalty: 0`, which means "off" and is accepted);
+fields we do not know are ignored, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_TOP_LOGPROBS = 20
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# Unsupported fields and the value(s) that mean "off" (accepted and ignored).
+_UNSUPPORTED_COMMON = {
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0),
+    "logit_bias": (None, {}),
+    "response_format": (None, {"type": "text"}),
+    "min_tokens": (None, 0),
+    "best_of": (None, 1),
+    "use_beam_search": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "prompt_logprobs": (None,),
+}
+_UNSUPPORTED_COMPLETIONS = {"echo": (None, False), "suffix": (None, "")}
+_UNSUPPORTED_CHAT = {"audio": (None,), "functions": (None, []), "function_call": (None, "none", "auto"), "modalities": (None, ["text"]), "prediction": (None,),
+                     "web_search_options": (None,)}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
+
+
+def _opt(body: dict, name: str, check, what: str, default=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not check(v):
+        raise bad(f"'{name}' must be {what}, got {v!r}"[:300], name)
+    return v
+
+
+@dataclass
+class GenParams:
+    """Sampling fields shared by both endpoints (engine-independent)."""
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+    logprobs: int | None  # None: off; N: sampled token plus the top N
+    skip_special_tokens: bool
+    stream: bool
+    include_usage: bool
+
+
+def _check_unsupported(body: dict, table: dict) -> None:
+    for name, defaults in table.items():
+        if name in body and body[name] is not None and body[name] not in defaults:
+            raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+
+def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None) -> GenParams:
+    _check_unsupported(body, _UNSUPPORTED_COMMON)
+    _check_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)
+    n = _opt(body, "n", _is_int, "an integer", 1)
+    if n != 1:
+        raise bad("only n=1 is supported", "n", "unsupported_parameter")
+    pos_int = lambda v: _is_int(v) and v >= 1  # noqa: E731
+    max_tokens = _opt(body, "max_tokens", pos_int, "a positive integer")
+    if chat:  # the newer name wins when both are given, as in OpenAI's API
+        max_tokens = _opt(body, "max_completion_tokens", pos_int, "a positive integer", max_tokens)
+    if max_tokens is None:
+        max_tokens = default_max_tokens
+    temperature = float(_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2,
+                             "a number in [0, 2]", 1.0))
+    top_p = float(_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0))
+    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)", 0)
+    seed = _opt(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer")
+    if seed is not None and seed < 0:  # OpenAI seeds are int64; map onto the engine's uint64
+        seed += 2**64
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop] if stop else []
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stop = [s for s in stop if s]
+    else:
+        raise bad("'stop' must be a string or a list of strings", "stop")
+    if len(stop) > 16:
+        raise bad("'stop' may hold at most 16 strings", "stop")
+    stop_token_ids = _opt(body, "stop_token_ids",
+                          lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
+                          "a list of non-negative integers", [])
+    ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
+    skip_special = _opt(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
+    so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
+    include_usage = so.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
+    if "stream_options" in body and body["stream_options"] is not None and not stream:
+        raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
+    in_range = lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS  # noqa: E731
+    if chat:
+        want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+        top = _opt(body, "top_logprobs", in_range, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+        if top is not None and not want:
+            raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = _opt(body, "logprobs", in_range, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return GenParams(max_tokens, temperature, top_p, top_k if top_k > 0 else 0, seed, stop,
+                     stop_token_ids, ignore_eos, logprobs, skip_special, stream, include_usage)
+
+
+@dataclass
+class CompletionRequest:
+    model: str | None
+    prompts: list[str | list[int]]  # one entry per choice
+    gen: GenParams
+
+
+@dataclass
+class ChatRequest:
+    model: str | None
+    messages: Any  # validated by chat.normalize_messages
+    tools: Any
+    tool_choice: str | dict  # "auto" | "none" | "required" | {"type":"function","function":{"name"}}
+    enable_thinking: bool
+    template_kwargs: dict
+    add_generation_prompt: bool
+    gen: GenParams
+    named_tool: str | None = field(default=None)
+
+
+def _model(body: dict) -> str | None:
+    return _opt(body, "model", lambda v: isinstance(v, str), "a string")
+
+
+def _token_list(v) -> bool:
+    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+
+
+def parse_completion(body: Any) -> CompletionRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif _token_list(p):
+        prompts = [p]
+    elif isinstance(p, list) and p and (all(isinstance(x, str) for x in p) or all(_token_list(x) for x in p)):
+        prompts = list(p)
+    elif p is None:
+        raise bad("'prompt' is required", "prompt")
+    else:
+        raise bad("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                  "token-id lists", "prompt")
+    if any(isinstance(x, str) and not x for x in prompts):
+        raise bad("'prompt' must not be empty", "prompt")
+    if len(prompts) > 64:
+        raise bad("at most 64 prompts per request", "prompt")
+    gen = _gen_params(body, chat=False, default_max_tokens=16)  # OpenAI's completions default
+    return CompletionRequest(_model(body), prompts, gen)
+
+
+def parse_chat(body: Any) -> ChatRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty list", "messages")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise bad("'tools' must be a list", "tools")
+    tool_choice = body.get("tool_choice")
+    named = None
+    if tool_choice is None:
+        tool_choice = "auto" if tools else "none"
+    elif isinstance(tool_choice, str):
+        if tool_choice not in ("auto", "none", "required"):
+            raise bad("'tool_choice' must be 'auto', 'none', 'required' or a named function",
+                      "tool_choice")
+    elif isinstance(tool_choice, dict):
+        fn = tool_choice.get("function")
+        if tool_choice.get("type") != "function" or not isinstance(fn, dict) or \
+                not isinstance(fn.get("name"), str):
+            raise bad("'tool_choice' object must be {\"type\": \"function\", \"function\": "
+                      "{\"name\": ...}}", "tool_choice")
+        named = fn["name"]
+    else:
+        raise bad("'tool_choice' must be a string or an object", "tool_choice")
+    if (tool_choice == "required" or named) and not tools:
+        raise bad("'tool_choice' requires 'tools'", "tool_choice")
+    if named and not any(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                         and t["function"].get("name") == named for t in tools):
+        raise bad(f"'tool_choice' names function {named!r}, which is not in 'tools'", "tool_choice")
+    ptc = body.get("parallel_tool_calls")
+    if ptc is not None and not isinstance(ptc, bool):
+        raise bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    kwargs = _opt(body, "chat_template_kwargs", lambda v: isinstance(v, dict), "an object", {})
+    thinking = kwargs.get("enable_thinking", True)
+    if not isinstance(thinking, bool):
+        raise bad("'chat_template_kwargs.enable_thinking' must be a boolean", "chat_template_kwargs")
+    reserved = {"messages", "tools", "add_generation_prompt"} & set(kwargs)
+    if reserved:
+        raise bad(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
+    agp = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
+    gen = _gen_params(body, chat=True, default_max_tokens=None)
+    return ChatRequest(_model(body), messages, tools, tool_choice, thinking,
+                       {k: v for k, v in kwargs.items() if k != "enable_thinking"}, agp, gen, named)

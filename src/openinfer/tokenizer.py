@@ -1,0 +1,122 @@
+"""Tokenizer wrapper (`tokenizers` library) and incremental detokenization with stop strings."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Sequence
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+log = logging.getLogger("openinfer")
+
+BUNDLED_TOKENIZER_DIR = Path(__file__).parent / "data" / "qwen3-tokenizer"
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    def __init__(self, hf: _HFTokenizer, config: dict | None = None):
+        self._tok = hf
+        self.config = config or {}  # tokenizer_config.json: chat_template, eos_token, ...
+        self.chat_template: str | None = self.config.get("chat_template")
+        self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
+        eos = self.config.get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        eos_id = hf.token_to_id(eos) if eos else None
+        self.eos_token_ids: tuple[int, ...] = (eos_id,) if eos_id is not None else ()
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> "Tokenizer":
+        p = Path(path)
+        if not (p / "tokenizer.json").is_file():
+            # random-weight directories may carry only config.json: the bundled Qwen3 files fit them
+            log.info("no tokenizer.json in %s: using the bundled Qwen3 tokenizer", p)
+            p = BUNDLED_TOKENIZER_DIR
+        cfg_path = p / "tokenizer_config.json"
+        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        return cls(_HFTokenizer.from_file(str(p / "tokenizer.json")), cfg)
+
+    def encode(self, text: str) -> list[int]:
+        # Qwen3 adds no BOS; special-token strings in the text map to their ids.
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas.
+
+    Prefix/read-offset method: decode the window ids[prefix:] and emit what it adds over
+    ids[prefix:read]; while the window ends in U+FFFD (a UTF-8 character split across tokens)
+    wait for more tokens. Stop strings: the text ends before the first stop string; while
+    streaming, the last len(longest stop) - 1 characters are held back so a stop string that
+    arrives in pieces never leaks.
+    """
+
+    # A UTF-8 character is at most 4 bytes: a window still ending in U+FFFD after this many
+    # pending tokens is genuinely invalid, so emit it rather than stall.
+    MAX_PENDING = 4
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: Sequence[str] = ()):
+        self.tok = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = [s for s in stop if s]
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.ids: list[int] = []
+        self.prefix_offset = 0
+        self.read_offset = 0
+        self.text = ""  # decoded text so far (emitted + held back), truncated at a stop string
+        self.emitted = 0  # characters of self.text already returned
+        self.stopped = False
+
+    def add_token(self, token_id: int) -> tuple[str, bool]:
+        """Feeds one token; returns (text delta to emit now, whether a stop string was hit)."""
+        if self.stopped:
+            return "", True
+        self.ids.append(token_id)
+        prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+        pending = len(self.ids) - self.read_offset
+        if len(window) > len(prefix) and (not window.endswith(REPLACEMENT_CHAR) or pending >= self.MAX_PENDING):
+            new = window[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        else:
+            new = ""
+        return self._append(new)
+
+    def _append(self, new: str) -> tuple[str, bool]:
+        if not new:
+            return "", False
+        start = max(0, len(self.text) - self.holdback)  # a stop string may begin in the held tail
+        self.text += new
+        if self.stop:
+            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.text = self.text[:min(hits)]
+                self.stopped = True
+                return self._take(len(self.text)), True
+        return self._take(len(self.text) - self.holdback), False
+
+    def _take(self, upto: int) -> str:
+        if upto <= self.emitted:
+            return ""
+        out = self.text[self.emitted:upto]
+        self.emitted = upto
+        return out
+
+    def flush(self) -> str:
+        """Releases everything held back; call once when the request finishes."""
+        out = ""
+        if not self.stopped and self.read_offset < len(self.ids):
+            prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+            window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
+            self.prefix_offset = self.read_offset = len(self.ids)
+            out, _ = self._append(window[len(prefix):])
+        return out + self._take(len(self.text))

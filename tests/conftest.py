@@ -1,0 +1,68 @@
+"""Shared CPU fixtures: one tiny random checkpoint per session (real vocab, 4 layers)."""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from openinfer.config import ModelConfig
+from openinfer.loader import load_weights_fp32
+from openinfer.reference import ReferenceBackend
+from openinfer.tokenizer import Tokenizer
+from openinfer.tools.random_checkpoint import hf_config, write_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny")
+    t0 = time.perf_counter()
+    write_checkpoint(out, hf_config("tiny"), seed=0)
+    print(f"\ntiny checkpoint written in {time.perf_counter() - t0:.2f} s")
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg(tiny_dir) -> ModelConfig:
+    return ModelConfig.from_model_dir(tiny_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_dir, tiny_cfg) -> dict[str, np.ndarray]:
+    return load_weights_fp32(tiny_dir, tiny_cfg, progress=False)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(tiny_dir)
+
+
+@pytest.fixture
+def make_backend(tiny_cfg, tiny_weights):
+    def make(num_blocks: int = 64) -> ReferenceBackend:
+        return ReferenceBackend(tiny_cfg, tiny_weights, num_blocks=num_blocks, block_size=16)
+    return make
+
+
+def step_args(seqs, block_size=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, sample=None):
+    """Backend step() arguments for sequences given as (token_ids_of_this_step, start_pos, block_table).
+    Every sequence samples at its last token unless `sample` (a list of bools) says otherwise."""
+    ids, pos, qsl, slots, ctx = [], [], [0], [], []
+    width = max(len(t) for _, _, t in seqs)
+    tables = np.zeros((len(seqs), width), dtype=np.int32)
+    for b, (toks, start, table) in enumerate(seqs):
+        p = np.arange(start, start + len(toks))
+        ids += list(toks)
+        pos += list(p)
+        slots += [table[q // block_size] * block_size + q % block_size for q in p]
+        qsl.append(qsl[-1] + len(toks))
+        ctx.append(start + len(toks))
+        tables[b, :len(table)] = table
+    sample = [True] * len(seqs) if sample is None else sample
+    sidx = np.array([qsl[b + 1] - 1 for b in range(len(seqs)) if sample[b]], dtype=np.int32)
+    S = len(sidx)
+    return dict(input_ids=np.array(ids, np.int32), positions=np.array(pos, np.int32),
+                query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32),
+                block_tables=tables, slot_mapping=np.array(slots, np.int32), sample_idx=sidx,
+                temperature=np.full(S, temperature, np.float32), top_p=np.full(S, top_p, np.float32),
+                top_k=np.full(S, top_k, np.int32), seeds=np.full(S, seed, np.uint64))

@@ -1,0 +1,245 @@
+"""Chat template rendering and the tool-call / reasoning parsers (no engine needed)."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from openinfer.chat import (ChatError, ChatOutputParser, ChatTemplate, ReasoningStreamParser,
+                            ToolCallStreamParser, normalize_messages, normalize_tools,
+                            parse_reasoning, parse_tool_calls)
+
+TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "src/openinfer/data/qwen3-tokenizer"
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+
+
+@pytest.fixture(scope="module")
+def tmpl():
+    return ChatTemplate.from_model_dir(str(TOKENIZER_DIR))
+
+
+def render(tmpl, messages, tools=None, **kw):
+    return tmpl.render(normalize_messages(messages), normalize_tools(tools), **kw)
+
+
+# ----------------------------------------------------------------------------- template
+
+
+def test_template_plain_turns(tmpl):
+    out = render(tmpl, [{"role": "system", "content": "Be brief."},
+                        {"role": "user", "content": "Hi"}])
+    assert out == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+                   "<|im_start|>assistant\n")
+
+
+def test_template_enable_thinking_false_and_no_generation_prompt(tmpl):
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert render(tmpl, msgs, enable_thinking=False).endswith(
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert render(tmpl, msgs, add_generation_prompt=False) == "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_template_content_parts_and_developer_role(tmpl):
+    out = render(tmpl, [{"role": "developer", "content": [{"type": "text", "text": "A"}]},
+                        {"role": "user", "content": [{"type": "text", "text": "x"},
+                                                     {"type": "text", "text": "y"}]}])
+    assert out.startswith("<|im_start|>system\nA<|im_end|>\n<|im_start|>user\nx\ny<|im_end|>\n")
+
+
+def test_template_tools_and_tool_turns(tmpl):
+    call_str = {"id": "c1", "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+    call_dict = {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+    outs = []
+    for call in (call_str, call_dict):
+        outs.append(render(tmpl, [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "21 C"},
+            {"role": "tool", "tool_call_id": "c2", "content": "sunny"}], tools=[WEATHER]))
+    assert outs[0] == outs[1]  # arguments as a JSON string or a dict render the same
+    out = outs[0]
+    assert "<tools>\n" + json.dumps(WEATHER, ensure_ascii=False) + "\n</tools>" in out
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>' in out
+    # consecutive tool results share one user turn
+    assert ("<|im_start|>user\n<tool_response>\n21 C\n</tool_response>\n<tool_response>\nsunny\n"
+            "</tool_response><|im_end|>\n<|im_start|>assistant\n") in out
+
+
+def test_template_raise_exception_and_tojson():
+    t = ChatTemplate("{% if messages|length > 1 %}{{ raise_exception('one only') }}{% endif %}"
+                     "{{ messages[0] | tojson }}")
+    assert t.render([{"role": "user", "content": "é<>"}]) == '{"role": "user", "content": "é<>"}'
+    with pytest.raises(ChatError, match="one only"):
+        t.render([{"role": "user", "content": "a"}] * 2)
+
+
+def test_template_is_sandboxed():
+    t = ChatTemplate("{{ messages.__class__.__mro__ }}")
+    with pytest.raises(ChatError):
+        t.render([{"role": "user", "content": "a"}])
+
+
+@pytest.mark.parametrize("messages", [
+    [], "hi", [{"role": "wizard", "content": "x"}], [{"content": "x"}], [{"role": "user"}],
+    [{"role": "user", "content": 5}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "assistant", "content": "", "tool_calls": [{"function": {"arguments": "{}"}}]}],
+    [{"role": "assistant", "content": "", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}],
+])
+def test_bad_messages(messages):
+    with pytest.raises(ChatError):
+        normalize_messages(messages)
+
+
+@pytest.mark.parametrize("tools", ["x", [{"type": "function"}], [{"type": "code", "function": {}}],
+                                   [{"type": "function", "function": {"name": "f", "parameters": 3}}]])
+def test_bad_tools(tools):
+    with pytest.raises(ChatError):
+        normalize_tools(tools)
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+
+def tc(name, args):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def test_one_call():
+    content, calls = parse_tool_calls(tc("get_weather", {"city": "Paris"}))
+    assert content is None
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"})]
+    assert calls[0].id.startswith("call_")
+
+
+def test_several_calls_with_text_before():
+    text = "Let me check both.\n" + tc("a", {"x": 1}) + "\n" + tc("b", {}) + "\n"
+    content, calls = parse_tool_calls(text)
+    assert content == "Let me check both."
+    assert [c.name for c in calls] == ["a", "b"]
+    assert len({c.id for c in calls}) == 2
+
+
+@pytest.mark.parametrize("block", [
+    "<tool_call>\nnot json\n</tool_call>",
+    '<tool_call>\n{"arguments": {}}\n</tool_call>',  # no name
+    '<tool_call>\n{"name": "f", "arguments": [1]}\n</tool_call>',  # arguments not an object
+    '<tool_call>\n{"name": "f", "arguments": {"a": 1}\n',  # unclosed (cut by max_tokens)
+])
+def test_malformed_block_stays_content(block):
+    text = "Before " + block
+    content, calls = parse_tool_calls(text)
+    assert calls == [] and content == text
+
+
+def test_malformed_next_to_valid():
+    text = tc("a", {}) + "<tool_call>oops</tool_call> tail"
+    content, calls = parse_tool_calls(text)
+    assert [c.name for c in calls] == ["a"]
+    assert content == "<tool_call>oops</tool_call> tail"
+
+
+def test_no_calls_leaves_text_untouched():
+    for text in ("", "  plain  \n", "a < b <tool and <tool_cal", "x </tool_call> y"):
+        assert parse_tool_calls(text) == (text or None, [])
+
+
+def _stream_tools(pieces):
+    p = ToolCallStreamParser()
+    content, calls = [], []
+    for piece in pieces:
+        c, k = p.feed(piece)
+        content.append(c)
+        calls += k
+    c, k = p.finish()
+    return content + [c], calls + k
+
+
+STREAM_CASES = [
+    tc("get_weather", {"city": "Paris"}),
+    "Sure — checking 🌦️ now.\n\n" + tc("get_weather", {"city": "Zürich"}) + "\n" + tc("t", {"n": [1, 2]}),
+    "Text <tool_cal and <tool_call>broken</tool_call> then " + tc("x", {}) + " after\n",
+    "Unclosed: <tool_call>\n{\"name\": \"f\"",
+    "no tags at all, just < and <<tool",
+]
+
+
+@pytest.mark.parametrize("text", STREAM_CASES)
+def test_stream_split_everywhere_equals_whole(text):
+    want_content, want_calls = parse_tool_calls(text)
+    want = ((want_content or ""), [(c.name, c.arguments) for c in want_calls])
+    splits = [[text[:i], text[i:]] for i in range(len(text) + 1)]
+    splits.append(list(text))  # one character per chunk
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(len(text) + 1), min(5, len(text) + 1)))
+        splits.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+    for pieces in splits:
+        content, calls = _stream_tools(pieces)
+        got = ("".join(content), [(c.name, c.arguments) for c in calls])
+        assert got == want, pieces
+        if want_calls:  # no fragment of a parsed call's tags may reach content
+            for c in content:
+                assert "tool_call" not in c.replace("<tool_call>broken</tool_call>", "")
+
+
+def test_stream_emits_content_before_call_completes():
+    p = ToolCallStreamParser()
+    assert p.feed("Hello wor") == ("Hello wor", [])
+    assert p.feed("ld <tool") == ("ld", [])  # space and partial tag held back
+    assert p.feed('_call>{"name": "f"') == ("", [])
+    c, calls = p.feed("}</tool_call>")
+    assert c == "" and calls[0].name == "f" and calls[0].arguments == "{}"
+
+
+# ----------------------------------------------------------------------------- reasoning
+
+
+def test_reasoning_split():
+    assert parse_reasoning("<think>\nLet me think.\n</think>\n\nParis.") == ("Let me think.", "Paris.")
+    assert parse_reasoning("<think>\n\n</think>\n\nHi") == (None, "Hi")
+    assert parse_reasoning("No thinking here") == (None, "No thinking here")
+    assert parse_reasoning("<think>\ncut off by max_tok") == ("cut off by max_tok", "")
+    # enable_thinking=False: the prompt closed the block; tags in the output are just text
+    assert parse_reasoning("<think>x</think>y", enabled=False) == (None, "<think>x</think>y")
+
+
+def test_reasoning_started_in_prompt():
+    p = ReasoningStreamParser(started_in_think=True)
+    r1, c1 = p.feed("hmm\n</think>\n\nok")
+    r2, c2 = p.finish()
+    assert (r1 + r2, c1 + c2) == ("hmm", "ok")
+
+
+@pytest.mark.parametrize("text", ["<think>\nStep 1.\nStep 2.\n</think>\n\nAnswer: 4",
+                                  "  <think>a</think>b", "<thin", "<think>", "x<think>y</think>z"])
+def test_reasoning_stream_split_everywhere(text):
+    want = parse_reasoning(text)
+    for i in range(len(text) + 1):
+        for pieces in ([text[:i], text[i:]], list(text)):
+            p = ReasoningStreamParser()
+            r, c = zip(*[p.feed(x) for x in pieces], p.finish())
+            got = ("".join(r) or None, "".join(c))
+            assert got == want, pieces
+            assert all("think>" not in x for x in r)
+
+
+def test_chat_output_parser_reasoning_then_tool_call_streamed():
+    text = "<think>\nNeed weather.\n</think>\n\n" + tc("get_weather", {"city": "Oslo"})
+    whole = ChatOutputParser().parse(text)
+    assert whole.reasoning == "Need weather." and whole.content == ""
+    assert whole.tool_calls[0].name == "get_weather"
+    for i in range(len(text) + 1):
+        p = ChatOutputParser()
+        deltas = [p.feed(text[:i]), p.feed(text[i:]), p.finish()]
+        assert "".join(d.reasoning for d in deltas) == "Need weather."
+        assert "".join(d.content for d in deltas) == ""
+        assert [c.arguments for d in deltas for c in d.tool_calls] == ['{"city": "Oslo"}']

@@ -1,0 +1,251 @@
+"""Every CUDA kernel against the NumPy fp32 reference, at the 0.6B/4B/8B/32B shapes and awkward ones."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer.reference import ops as ref
+from gpu_util import TOL, f32, rand_bf16, rel_err, requires_gpu
+
+pytestmark = requires_gpu
+
+# (hidden, intermediate, heads, kv_heads) of the real models
+SHAPES = {"0.6b": (1024, 3072, 16, 8), "4b": (2560, 9728, 32, 8), "8b": (4096, 12288, 32, 8), "32b": (5120, 25600, 64, 8)}
+D = 128
+V = 151936
+
+
+def ops():
+    from openinfer import _engine
+    return _engine.ops
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 7, 129])
+def test_rmsnorm(model, T):
+    H = SHAPES[model][0]
+    rng = np.random.default_rng(T * 7 + H)
+    x, w = rand_bf16(rng, (T, H), 3.0), rand_bf16(rng, (H,), 1.0)
+    got = ops().rmsnorm(x, w, 1e-6)
+    assert rel_err(f32(got), ref.rmsnorm(f32(x), f32(w), 1e-6)) < TOL["bf16_out"]
+
+
+@pytest.mark.parametrize("model", list(SHAPES))
+@pytest.mark.parametrize("T", [1, 5])
+def test_silu_mul(model, T):
+    I = SHAPES[model][1]
+    rng = np.random.default_rng(I + T)
+    gu = rand_bf16(rng, (T, 2 * I), 2.0)
+    got = ops().silu_mul(gu, I)
+    g = f32(gu)
+    assert rel_err(f32(got), ref.silu_mul(g[:, :I], g[:, I:])) < TOL["bf16_out"]
+
+
+@pytest.mark.parametrize("H", [1024, 2560, 5120])
+def test_embedding_is_exact(H):
+    rng = np.random.default_rng(H)
+    table = rand_bf16(rng, (V, H))
+    ids = np.array([0, V - 1, 17, 17, 151643, 5], dtype=np.int32)
+    np.testing.assert_array_equal(ops().embedding(table, ids, H), table[ids])
+
+
+GEMMS = {  # (N, K) of each projection
+    "4b": [(6144, 2560), (2560, 4096), (19456, 2560), (2560, 9728)],
+    "8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)],
+    "32b": [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600)],
+}
+
+
+@pytest.mark.parametrize("model", list(GEMMS))
+@pytest.mark.parametrize("M", [1, 37, 256])
+def test_gemm(model, M):
+    rng = np.random.default_rng(M)
+    for N, K in GEMMS[model]:
+        x, w = rand_bf16(rng, (M, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+        want = f32(x) @ f32(w).T
+        got = ops().gemm(x, w, M, N, K, None, False)
+        assert rel_err(f32(got), want) < TOL["bf16_gemm"], (N, K)
+        # the residual rides in the epilogue: y = y0 + x·wᵀ
+        y0 = rand_bf16(rng, (M, N))
+        got = ops().gemm(x, w, M, N, K, y0, False)
+        assert rel_err(f32(got), want + f32(y0)) < TOL["bf16_gemm"], (N, K)
+
+
+def test_gemm_fp32_out_lm_head():
+    rng = np.random.default_rng(0)
+    M, N, K = 3, V, 2560
+    x, w = rand_bf16(rng, (M, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    got = ops().gemm(x, w, M, N, K, None, True)
+    assert got.dtype == np.float32
+    assert rel_err(got, f32(x) @ f32(w).T) < 1e-4  # fp32 out: only accumulation order differs
+
+
+def _cache(rng, num_blocks, num_layers, nKV):
+    return rand_bf16(rng, (num_blocks, num_layers, 2, nKV, 16, D))
+
+
+@pytest.mark.parametrize("model", ["0.6b", "4b", "32b"])
+def test_qk_norm_rope_kv_write(model):
+    _, _, nH, nKV = SHAPES[model]
+    rng = np.random.default_rng(nH)
+    T, L, layer, nb = 41, 3, 1, 12
+    qkv = rand_bf16(rng, (T, (nH + 2 * nKV) * D), 2.0)
+    qw, kw = f32_to_bf16_pos(rng, D), f32_to_bf16_pos(rng, D)
+    positions = np.concatenate([np.arange(20), rng.integers(20, 32768, T - 20)]).astype(np.int32)
+    slots = rng.permutation(nb * 16)[:T].astype(np.int32)
+    slots[[3, 17, 40]] = -1  # padding rows: no write
+    cache = _cache(rng, nb, L, nKV)
+    q_out, cache_out = ops().qk_norm_rope_kv_write(qkv, qw, kw, positions, slots, cache.reshape(-1), layer, L, nH,
+                                                   nKV, 1e6, 1e-6, 40960)
+    cache_out = cache_out.reshape(cache.shape)
+    x = f32(qkv).reshape(T, nH + 2 * nKV, D)
+    q_ref, k_ref = ref.qk_norm_rope(x[:, :nH], x[:, nH:nH + nKV], f32(qw), f32(kw), positions, 1e6, 1e-6)
+    assert rel_err(f32(q_out).reshape(T, -1, D)[:, :nH], q_ref) < TOL["bf16_out"]
+    np.testing.assert_array_equal(q_out.reshape(T, -1, D)[:, nH:], qkv.reshape(T, -1, D)[:, nH:])  # k/v untouched
+    want = f32(cache).copy()
+    ref.kv_write(want, layer, k_ref, x[:, nH + nKV:], slots)
+    written = np.zeros(cache.shape, dtype=bool)
+    ok = slots >= 0
+    written[slots[ok] // 16, layer, :, :, slots[ok] % 16, :] = True
+    # every slot not written is bit-identical (padding rows and other layers included)
+    np.testing.assert_array_equal(cache_out[~written], cache[~written])
+    assert rel_err(f32(cache_out)[written], want[written]) < TOL["bf16_out"]
+    # V is a copy: exact
+    np.testing.assert_array_equal(cache_out[slots[ok] // 16, layer, 1, :, slots[ok] % 16, :],
+                                  qkv.reshape(T, -1, D)[ok, nH + nKV:])
+
+
+def f32_to_bf16_pos(rng, n):
+    from openinfer.safetensors_io import f32_to_bf16
+    return f32_to_bf16(1.0 + 0.1 * rng.standard_normal(n).astype(np.float32))
+
+
+def _attention_case(rng, nH, nKV, seqs, L=2, layer=1):
+    """seqs: list of (cached_prefix, new_tokens). Returns the op inputs and the fp32 reference."""
+    total_blocks = sum(-(-(p + n) // 16) for p, n in seqs) + 3
+    perm = rng.permutation(np.arange(1, total_blocks))  # shuffled, non-consecutive physical blocks
+    cache = _cache(rng, total_blocks, L, nKV)
+    M = max(-(-(p + n) // 16) for p, n in seqs)
+    bt = np.zeros((len(seqs), M), dtype=np.int32)
+    qsl, ctx, pos = [0], [], []
+    used = 0
+    for b, (p, n) in enumerate(seqs):
+        nb = -(-(p + n) // 16)
+        bt[b, :nb] = perm[used:used + nb]
+        used += nb
+        qsl.append(qsl[-1] + n)
+        ctx.append(p + n)
+        pos.extend(range(p, p + n))
+    T = qsl[-1]
+    qkv = rand_bf16(rng, (T, (nH + 2 * nKV) * D))
+    qsl, ctx, pos = (np.array(a, dtype=np.int32) for a in (qsl, ctx, pos))
+    q = f32(qkv).reshape(T, -1, D)[:, :nH]
+    want = ref.paged_attention(q, f32(cache), layer, pos, qsl, ctx, bt)
+    return (qkv, cache.reshape(-1), bt, qsl, ctx, pos, layer, L, nH, nKV), want
+
+
+ATTN_CASES = {
+    "decode_b1_ctx1": [(0, 1)],
+    "decode_b1_block_edges": [(15, 1)],
+    "decode_b1_17": [(16, 1)],
+    "decode_b1_1000": [(999, 1)],
+    "decode_b1_32k": [(32767, 1)],
+    "decode_b7_mixed": [(0, 1), (15, 1), (16, 1), (31, 1), (32, 1), (100, 1), (4097, 1)],
+    "prefill_one_shot_odd": [(0, 111)],
+    "prefill_chunk_after_prefix": [(37, 50)],
+    "prefill_chunk_at_block_edge": [(32, 16)],
+    "mixed_prefill_and_decode": [(0, 33), (70, 1), (5, 17), (200, 1)],
+}
+
+
+@pytest.mark.parametrize("model", ["0.6b", "4b", "32b"])
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_paged_attention(model, case):
+    _, _, nH, nKV = SHAPES[model]
+    rng = np.random.default_rng(abs(hash((model, case))) % 2**32)
+    args, want = _attention_case(rng, nH, nKV, ATTN_CASES[case])
+    for splits in (1, 0, 7):  # single pass, the launch heuristic, a forced odd split count
+        got, used = ops().paged_attention(*args, splits)
+        err = rel_err(f32(got).reshape(want.shape), want)
+        assert err < TOL["attention"], (splits, used, err)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 64, 256])
+@pytest.mark.parametrize("ctx", [1, 17, 1024, 8191])
+def test_split_attention_equals_single_pass(batch, ctx):
+    """Flash-decoding splits must compute the same function as one pass (4B geometry)."""
+    _, _, nH, nKV = SHAPES["4b"]
+    rng = np.random.default_rng(batch * 100003 + ctx)
+    lens = rng.integers(max(1, ctx // 2), ctx + 1, batch)
+    args, want = _attention_case(rng, nH, nKV, [(int(c) - 1, 1) for c in lens], L=1, layer=0)
+    one, _ = ops().paged_attention(*args, 1)
+    split, used = ops().paged_attention(*args, 0)
+    assert rel_err(f32(one).reshape(want.shape), want) < TOL["attention"]
+    assert rel_err(f32(split), f32(one)) < TOL["attention"] / 2, used
+
+
+def test_split_attention_32k_batch1_fills_gpu():
+    _, _, nH, nKV = SHAPES["4b"]
+    rng = np.random.default_rng(32)
+    args, want = _attention_case(rng, nH, nKV, [(32767, 1)], L=1, layer=0)
+    got, used = ops().paged_attention(*args, 0)
+    assert used >= 16, f"batch 1 at 32k should split the keys across blocks, used {used}"
+    assert rel_err(f32(got).reshape(want.shape), want) < TOL["attention"]
+
+
+def _logits(rng, S, scale=3.0):
+    return (rng.standard_normal((S, V)) * scale).astype(np.float32)
+
+
+@pytest.mark.parametrize("S", [1, 5, 33])
+def test_sampling_matches_reference(S):
+    rng = np.random.default_rng(S)
+    logits = _logits(rng, S)
+    temp = rng.choice([0.0, 0.5, 1.0, 1.3], S).astype(np.float32)
+    top_p = rng.choice([1.0, 0.9, 0.5, 0.05], S).astype(np.float32)
+    top_k = rng.choice([0, 1, 20, 1000], S).astype(np.int32)
+    temp[0], top_p[0], top_k[0] = 0.8, 0.95, 20  # the releases' defaults in row 0
+    seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
+    pos = rng.integers(0, 40000, S).astype(np.int32)
+    tok, lp, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, 5)
+    np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
+    lsm = ref.log_softmax(logits)
+    np.testing.assert_allclose(lp, lsm[np.arange(S), tok], rtol=1e-5, atol=1e-4)
+    want_ids, want_lps = ref.top_logprobs(lsm, 5)
+    np.testing.assert_array_equal(top_ids, want_ids)
+    np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
+
+
+def test_sampling_greedy_ties_and_seed_reproducible():
+    rng = np.random.default_rng(1)
+    logits = _logits(rng, 4)
+    logits[0, [10, 20]] = 100.0  # a tie: the lowest id wins
+    zeros = np.zeros(4, np.float32)
+    tok, *_ = ops().sample(logits, zeros, np.ones(4, np.float32), np.zeros(4, np.int32),
+                           np.zeros(4, np.uint64), np.zeros(4, np.int32), 0)
+    assert tok[0] == 10
+    np.testing.assert_array_equal(tok, logits.argmax(1))
+    args = (logits, np.ones(4, np.float32), np.full(4, 0.9, np.float32), np.zeros(4, np.int32),
+            np.array([7, 7, 8, 9], np.uint64), np.full(4, 3, np.int32), 0)
+    a, b = ops().sample(*args)[0], ops().sample(*args)[0]
+    np.testing.assert_array_equal(a, b)
+
+
+def test_sampling_distribution():
+    """Many draws from a small-support distribution follow its softmax (top-k 4 keeps 4 tokens)."""
+    n = 4000
+    logits = np.full((n, V), -20.0, np.float32)
+    logits[:, [3, 9, 11, 500, 600]] = np.array([1.0, 0.5, 0.0, -0.5, -3.0], np.float32)
+    tok, *_ = ops().sample(logits, np.ones(n, np.float32), np.ones(n, np.float32), np.full(n, 4, np.int32),
+                           np.arange(n, dtype=np.uint64), np.zeros(n, np.int32), 0)
+    assert set(np.unique(tok)) <= {3, 9, 11, 500}
+    p = np.exp([1.0, 0.5, 0.0, -0.5])
+    p /= p.sum()
+    freq = np.array([(tok == t).mean() for t in (3, 9, 11, 500)])
+    assert np.abs(freq - p).max() < 0.03, (freq, p)
+
+
+def test_random_init_moments():
+    from openinfer import _engine
+    x = f32(_engine.ops.fill_normal_stats(1 << 22, 123, 0.0, 0.02))
+    assert abs(x.mean()) < 1e-4 and abs(x.std() - 0.02) < 2e-4

@@ -1,0 +1,229 @@
+"""Whole-model checks of the CUDA engine against Hugging Face transformers on the same random weights.
+
+Needs a GPU, torch and transformers (the GPU machine has them). Checkpoints are written once with the
+project's tool into $OPENINFER_TEST_CACHE (default: the temp dir). Figures go to
+$OPENINFER_TEST_REPORT/model_report.json when that is set.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpu_util import rel_err, requires_gpu
+
+pytestmark = requires_gpu
+torch = pytest.importorskip("torch", reason="GPU model tests compare against HF transformers (torch)")
+transformers = pytest.importorskip("transformers")
+
+CACHE = Path(os.environ.get("OPENINFER_TEST_CACHE", tempfile.gettempdir())) / "openinfer-ckpt"
+REPORT: dict = {}
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "你好，世界。今天的天气怎么样？",
+    "List three prime numbers: 2, 3,",
+]
+
+
+def checkpoint(preset: str) -> Path:
+    out = CACHE / preset
+    if not (out / "config.json").is_file():
+        subprocess.run([sys.executable, "-m", "openinfer.tools.random_checkpoint", "--preset", preset, "--out",
+                        str(out), "--seed", "0"], check=True)
+    return out
+
+
+def teardown_module(module):
+    out = os.environ.get("OPENINFER_TEST_REPORT")
+    if out and REPORT:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "model_report.json").write_text(json.dumps(REPORT, indent=1))
+
+
+class Pair:
+    """Our engine and HF (fp32 and bf16) on one checkpoint."""
+
+    def __init__(self, preset: str):
+        import openinfer
+        from transformers import AutoModelForCausalLM
+
+        self.dir = checkpoint(preset)
+        self.hf32 = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.float32).cuda().eval()
+        self.hf16 = AutoModelForCausalLM.from_pretrained(self.dir, dtype=torch.bfloat16).cuda().eval()
+        self.engine = openinfer.Engine(str(self.dir), device="cuda", gpu_memory_utilization=0.6,
+                                       max_model_len=4096, max_num_seqs=256)
+        self.backend = self.engine.llm_engine.backend
+        self.tok = self.engine.tokenizer
+        self.prompts = [self.tok.encode(p) for p in PROMPTS]
+        self.next_block = 1
+
+    def blocks(self, n_tokens: int) -> list[int]:
+        n = -(-n_tokens // 16)
+        assert self.next_block + n < self.backend.num_kv_blocks
+        out = list(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        return out
+
+    @torch.inference_mode()
+    def hf_logits(self, model, ids: list[int]) -> np.ndarray:
+        x = torch.tensor([ids], device="cuda")
+        return model(x).logits[0].float().cpu().numpy()
+
+    def run(self, seqs: list[tuple[list[int], list[int], int]], sample_all: bool = True) -> list[np.ndarray]:
+        """One step over several sequences: (all token ids, block ids, tokens already cached).
+        Returns each sequence's logits for its new tokens."""
+        ids, pos, qsl, ctx, slots, sample = [], [], [0], [], [], []
+        M = max(len(b) for _, b, _ in seqs)
+        bt = np.zeros((len(seqs), M), np.int32)
+        for i, (toks, blocks, cached) in enumerate(seqs):
+            new = range(cached, len(toks))
+            start = len(ids)
+            ids += [toks[p] for p in new]
+            pos += list(new)
+            slots += [blocks[p // 16] * 16 + p % 16 for p in new]
+            bt[i, :len(blocks)] = blocks
+            qsl.append(len(ids))
+            ctx.append(len(toks))
+            sample += list(range(start, len(ids))) if sample_all else [len(ids) - 1]
+        S = len(sample)
+        out = self.backend.step(np.array(ids, np.int32), np.array(pos, np.int32), np.array(qsl, np.int32),
+                                np.array(ctx, np.int32), bt, np.array(slots, np.int32), np.array(sample, np.int32),
+                                np.zeros(S, np.float32), np.ones(S, np.float32), np.zeros(S, np.int32),
+                                np.zeros(S, np.uint64), 0, True)
+        res, r = [], 0
+        for i, (toks, _, cached) in enumerate(seqs):
+            n = len(toks) - cached if sample_all else 1
+            res.append(out.logits[r:r + n])
+            r += n
+        return res
+
+
+PAIRS: dict[str, Pair] = {}
+
+
+@pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-4b"])
+def pair(request):
+    if request.param not in PAIRS:
+        for p in list(PAIRS):  # one model pair resident at a time
+            del PAIRS[p]
+        torch.cuda.empty_cache()
+        PAIRS[request.param] = Pair(request.param)
+    yield PAIRS[request.param]
+
+
+def test_logits_match_hf(pair):
+    ours, h16, h32 = [], [], []
+    for ids in pair.prompts:
+        ours.append(pair.run([(ids, pair.blocks(len(ids)), 0)])[0])
+        h16.append(pair.hf_logits(pair.hf16, ids))
+        h32.append(pair.hf_logits(pair.hf32, ids))
+    ours, h16, h32 = (np.concatenate(a) for a in (ours, h16, h32))
+    e_ours, e_hf = rel_err(ours, h32), rel_err(h16, h32)
+    REPORT.setdefault(pair.dir.name, {})["logits_rel_err"] = {"openinfer_bf16": e_ours, "hf_bf16": e_hf,
+                                                              "ratio": e_ours / e_hf, "positions": len(h32)}
+    print(f"\n{pair.dir.name}: logits rel err vs HF fp32: ours {e_ours:.3e}, HF bf16 {e_hf:.3e}")
+    assert e_ours <= 1.5 * e_hf, (e_ours, e_hf)
+
+
+@torch.inference_mode()
+def hf_greedy(model, ids: list[int], n: int) -> tuple[list[int], list[float]]:
+    """HF bf16 greedy continuation (no EOS stop) and its top-1/top-2 margin at each step."""
+    out = model(torch.tensor([ids], device="cuda"), use_cache=True)
+    toks, margins = [], []
+    for _ in range(n):
+        logits = out.logits[0, -1].float()
+        top = torch.topk(logits, 2)
+        toks.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        out = model(torch.tensor([[toks[-1]]], device="cuda"), past_key_values=out.past_key_values, use_cache=True)
+    return toks, margins
+
+
+def test_greedy_matches_hf_bf16(pair):
+    from openinfer import SamplingParams
+
+    n = 64
+    outs = pair.engine.generate(pair.prompts, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    same, details = 0, []
+    for ids, o in zip(pair.prompts, outs):
+        want, margins = hf_greedy(pair.hf16, ids, n)
+        assert len(o.token_ids) == n and o.finish_reason == "length"
+        if o.token_ids == want:
+            same += 1
+            details.append({"identical": True, "min_hf_margin": min(margins)})
+        else:
+            k = next(i for i, (a, b) in enumerate(zip(o.token_ids, want)) if a != b)
+            details.append({"identical": False, "diverged_at_step": k, "hf_top1_top2_margin": margins[k],
+                            "ours": o.token_ids[k], "hf": want[k]})
+    REPORT.setdefault(pair.dir.name, {})["greedy_64"] = {"identical": same, "of": len(outs), "prompts": details}
+    print(f"\n{pair.dir.name}: greedy 64 identical for {same}/{len(outs)}: {details}")
+    assert same >= 4, details
+
+
+def test_chunked_prefill_equals_one_shot(pair):
+    ids = pair.prompts[2] * 4  # ~80 tokens, crosses several block edges
+    h32 = pair.hf_logits(pair.hf32, ids)[-1]
+    h16 = pair.hf_logits(pair.hf16, ids)[-1]
+    one = pair.run([(ids, pair.blocks(len(ids)), 0)], sample_all=False)[0][0]
+    blocks, done, last = pair.blocks(len(ids)), 0, None
+    for size in (1, 7, 16, 17, 5, 1000):
+        end = min(len(ids), done + size)
+        last = pair.run([(ids[:end], blocks, done)], sample_all=False)[0][0]
+        done = end
+        if done == len(ids):
+            break
+    e_hf, e_one, e_chunk = rel_err(h16, h32), rel_err(one, h32), rel_err(last, h32)
+    REPORT.setdefault(pair.dir.name, {})["chunked_prefill"] = {"one_shot": e_one, "chunked": e_chunk, "hf_bf16": e_hf}
+    assert e_one <= 1.5 * e_hf and e_chunk <= 1.5 * e_hf, (e_one, e_chunk, e_hf)
+    assert rel_err(last, one) <= 1.5 * e_hf
+
+
+def test_batch_equals_each_alone(pair):
+    """A step with one prefill and two decodes gives each sequence what it gets alone."""
+    a, b, c = pair.prompts[0], pair.prompts[1], pair.prompts[2]
+    alone = []
+    for ids in (a, b, c):
+        alone.append(pair.run([(ids, pair.blocks(len(ids)), 0)], sample_all=False)[0][0])
+    # b and c: prefill all but the last token first, then decode it inside the batch
+    bb, cb = pair.blocks(len(b)), pair.blocks(len(c))
+    pair.run([(b[:-1], bb, 0), (c[:-1], cb, 0)], sample_all=False)
+    batched = pair.run([(a, pair.blocks(len(a)), 0), (b, bb, len(b) - 1), (c, cb, len(c) - 1)], sample_all=False)
+    errs = [rel_err(x[0], y) for x, y in zip(batched, alone)]
+    scale = rel_err(pair.hf_logits(pair.hf16, a)[-1], pair.hf_logits(pair.hf32, a)[-1])
+    REPORT.setdefault(pair.dir.name, {})["batch_vs_alone"] = {"rel_err": errs, "hf_bf16_scale": scale}
+    assert max(errs) <= 1.5 * scale, (errs, scale)
+    assert [int(x[0].argmax()) for x in batched] == [int(y.argmax()) for y in alone]
+
+
+def test_random_load_runs_32b(tmp_path):
+    """32B does not fit the GPU machine's disk as a checkpoint: weights made on the GPU from config.json."""
+    for p in list(PAIRS):
+        del PAIRS[p]
+    torch.cuda.empty_cache()
+    import shutil
+
+    import openinfer
+    from openinfer.tools.random_checkpoint import hf_config
+
+    d = tmp_path / "qwen3-32b"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(hf_config("qwen3-32b")))
+    src = Path(openinfer.__file__).parent / "data" / "qwen3-tokenizer"
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, d / f)
+    eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096)
+    out = eng.generate(["The capital of France is"], openinfer.SamplingParams(max_tokens=16, temperature=0.0,
+                                                                              ignore_eos=True, logprobs=2))[0]
+    assert len(out.token_ids) == 16 and out.finish_reason == "length"
+    lps = [lp.logprob for lp in out.logprobs]
+    assert len(lps) == 16 and all(np.isfinite(lps)) and max(lps) <= 0.0
+    assert all(len(lp.top) == 2 and lp.top[0][1] >= lp.top[1][1] for lp in out.logprobs)
+    REPORT["qwen3-32b-random"] = {"tokens": out.token_ids, "gpu_ms_last_step": eng.llm_engine.backend.last_gpu_ms}

@@ -1,0 +1,159 @@
+"""Scheduler policy with a fake backend: admission, budgets, abort, stats."""
+import numpy as np
+import pytest
+
+from openinfer.backend import StepOutput
+from openinfer.block_manager import BlockManager
+from openinfer.runner import Runner
+from openinfer.sampling_params import SamplingParams
+from openinfer.scheduler import QueueFull, RequestRejected, Scheduler
+
+
+class FakeBackend:
+    """Echo model: the next token is the last input token + 1 (deterministic, batch-independent)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
+             temperature, top_p, top_k, seeds, num_logprobs=0, return_logits=False):
+        assert len(input_ids) == len(positions) == len(slot_mapping) == query_start_loc[-1]
+        assert (context_lens == positions[query_start_loc[1:] - 1] + 1).all()
+        self.steps.append(dict(T=len(input_ids), B=len(context_lens), S=len(sample_idx), slots=slot_mapping.copy()))
+        toks = (input_ids[sample_idx] + 1).astype(np.int32)
+        return StepOutput(tokens=toks, logprobs=np.zeros(len(toks), np.float32))
+
+
+def make(tokenizer, num_blocks=9, max_model_len=4096, max_num_seqs=8, budget=256, max_waiting=64):
+    bm = BlockManager(num_blocks, 16)
+    sched = Scheduler(bm, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=budget, max_waiting=max_waiting, eos_token_ids=(151645,))
+    return sched, bm, Runner(FakeBackend(), 16)
+
+
+def run_all(sched, bm, runner, max_steps=1000, on_step=None):
+    updates = []
+    for _ in range(max_steps):
+        if not sched.has_unfinished():
+            return updates
+        batch = sched.schedule()
+        assert batch.items, "no progress although requests are pending"
+        if on_step:
+            on_step(batch)
+        updates += sched.postprocess(batch, runner.run(batch))
+        bm.check_integrity()
+        assert bm.num_free >= sched.promised_blocks()
+    raise AssertionError("did not finish")
+
+
+def prompt(n, base=1000):
+    return list(range(base, base + n))
+
+
+def test_full_lifetime_admission_fifo(tokenizer):
+    sched, bm, runner = make(tokenizer, num_blocks=9)  # 8 usable blocks = 128 tokens
+    for i in range(6):  # 20 + 12 tokens = 2 blocks each: 4 fit at once
+        sched.add_request(f"r{i}", prompt(20, 1000 * (i + 1)), SamplingParams(max_tokens=12), seed=0)
+    first_seen, max_running = {}, 0
+
+    def on_step(batch):
+        nonlocal max_running
+        max_running = max(max_running, len(sched.running))
+        for it in batch.items:
+            first_seen.setdefault(it.seq.request_id, len(first_seen))
+
+    ups = run_all(sched, bm, runner, on_step=on_step)
+    assert max_running == 4
+    assert [r for r, _ in sorted(first_seen.items(), key=lambda kv: kv[1])] == [f"r{i}" for i in range(6)]
+    done = [u for u in ups if u.finished]
+    assert len(done) == 6 and all(u.finish_reason == "length" and u.num_output_tokens == 12 for u in done)
+    s = sched.stats()
+    assert s.num_running == s.num_waiting == 0 and s.kv_blocks_used == 0 and s.generation_tokens == 72
+
+
+def test_never_fit_refused_at_once(tokenizer):
+    sched, bm, runner = make(tokenizer, num_blocks=9, max_model_len=160)
+    with pytest.raises(RequestRejected, match="max_model_len"):
+        sched.add_request("a", prompt(100), SamplingParams(max_tokens=100), 0)
+    with pytest.raises(RequestRejected, match="KV blocks"):
+        sched.add_request("b", prompt(100), SamplingParams(max_tokens=40), 0)  # 140 tokens > 128 in the pool
+    with pytest.raises(RequestRejected, match="no room"):
+        sched.add_request("c", prompt(128), SamplingParams(), 0)
+    with pytest.raises(RequestRejected, match="empty"):
+        sched.add_request("d", [], SamplingParams(), 0)
+    sched.add_request("e", prompt(100), SamplingParams(), 0)  # None: capped by the pool (128 tokens)
+    ups = run_all(sched, bm, runner)
+    assert ups[-1].finish_reason == "length" and ups[-1].num_output_tokens == 28
+    assert not sched.has_unfinished()
+
+
+def test_queue_full(tokenizer):
+    sched, *_ = make(tokenizer, max_waiting=2)
+    sched.add_request("a", prompt(5), SamplingParams(max_tokens=2), 0)
+    sched.add_request("b", prompt(5), SamplingParams(max_tokens=2), 0)
+    with pytest.raises(QueueFull):
+        sched.add_request("c", prompt(5), SamplingParams(max_tokens=2), 0)
+    with pytest.raises(RequestRejected, match="already in use"):
+        sched.add_request("a", prompt(5), SamplingParams(max_tokens=2), 0)
+
+
+def test_abort_frees_blocks(tokenizer):
+    sched, bm, runner = make(tokenizer, num_blocks=9)
+    for i in range(5):
+        sched.add_request(f"r{i}", prompt(30, 1000 * (i + 1)), SamplingParams(max_tokens=2), 0)
+    batch = sched.schedule()
+    sched.postprocess(batch, runner.run(batch))
+    assert sched.stats().num_running == 4 and sched.stats().num_waiting == 1
+    used = bm.num_used
+    assert sched.abort("r1") and not sched.abort("r1") and not sched.abort("nope")
+    assert bm.num_used == used - 2 and sched.promised_blocks() == 0  # 30 tokens: both blocks allocated
+    assert sched.abort("r4")  # a waiting request
+    bm.check_integrity()
+    ups = run_all(sched, bm, runner)
+    assert {u.request_id for u in ups if u.finished} == {"r0", "r2", "r3"}
+    assert bm.num_used == 0
+
+
+def test_budget_rows_and_chunking(tokenizer):
+    sched, bm, runner = make(tokenizer, num_blocks=40, max_num_seqs=3, budget=16)
+    for i in range(5):
+        sched.add_request(f"r{i}", prompt(40, 1000 * (i + 1)), SamplingParams(max_tokens=5), 0)
+
+    def on_step(batch):
+        assert batch.num_tokens <= 16 and len(batch.items) <= 3
+        kinds = [it.seq.num_computed >= it.seq.num_prompt for it in batch.items]
+        assert kinds == sorted(kinds, reverse=True)  # decode rows come first
+        for it in batch.items:
+            assert it.sample == (it.start + it.num_tokens == len(it.seq.token_ids))
+
+    ups = run_all(sched, bm, runner, on_step=on_step)
+    out = {}
+    for u in ups:
+        out.setdefault(u.request_id, []).extend(u.new_token_ids)
+    assert out == {f"r{i}": [1000 * (i + 1) + 40 + k for k in range(5)] for i in range(5)}  # the echo model
+
+
+def test_stop_checks(tokenizer):
+    sched, bm, runner = make(tokenizer)
+    hello = tokenizer.encode("Hello")
+    sched.add_request("eos", [151644], SamplingParams(max_tokens=5), 0)  # echo: 151644 + 1 = EOS 151645
+    sched.add_request("ign", [151644], SamplingParams(max_tokens=3, ignore_eos=True), 0)
+    sched.add_request("stoptok", [500], SamplingParams(max_tokens=9, stop_token_ids=[503]), 0)
+    sched.add_request("lp", hello, SamplingParams(max_tokens=2, logprobs=0), 0)
+    ups = run_all(sched, bm, runner)
+    fin = {u.request_id: u for u in ups if u.finished}
+    assert fin["eos"].finish_reason == "stop" and fin["eos"].num_output_tokens == 1 and fin["eos"].new_text == ""
+    assert fin["ign"].finish_reason == "length" and fin["ign"].num_output_tokens == 3
+    assert fin["stoptok"].finish_reason == "stop" and fin["stoptok"].new_token_ids == [503]
+    assert fin["lp"].logprobs[0].top == [] and fin["lp"].logprobs[0].logprob == 0.0
+
+
+def test_slot_mapping_follows_block_tables(tokenizer):
+    sched, bm, runner = make(tokenizer, num_blocks=20)
+    sched.add_request("a", prompt(37), SamplingParams(max_tokens=3), 0)
+    batch = sched.schedule()
+    args = Runner.pack(batch, 16)
+    table = batch.items[0].seq.block_table
+    want = [table[p // 16] * 16 + p % 16 for p in range(37)]
+    assert args["slot_mapping"].tolist() == want and args["context_lens"].tolist() == [37]
+    assert args["sample_idx"].tolist() == [36] and args["seeds"].dtype == np.uint64

@@ -1,0 +1,221 @@
+"""Tool calling and reasoning through the HTTP server, driven by the parser on scripted model output.
+
+A random-weight model never writes a valid `<tool_call>`, so here (and only here) a scripted engine
+stands in for the model's output: it implements the LLMEngine API with the real tokenizer and the
+real incremental detokenizer, and answers according to the rendered prompt it receives. Everything
+between the HTTP client and that output (template, parsers, SSE, the engine thread) is the real code.
+"""
+
+import json
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from openinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from test_server_harness import RunningServer, wait_until
+
+NAME = "scripted"
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+
+
+def call(name, args):
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
+
+
+def script(prompt: str) -> str:
+    """The 'model': what it says depends only on the last turn of the rendered prompt."""
+    last = prompt.rsplit("<|im_start|>", 2)[-2]
+    if "<tool_response>" in last:
+        temp = json.loads(last.split("<tool_response>\n")[1].split("\n</tool_response>")[0])["temp"]
+        return f"<think>\nThe tool says {temp}.\n</think>\n\nIt is {temp} °C in Paris."
+    if "two cities" in last:
+        return ("Checking both.\n" + call("get_weather", {"city": "Paris"}) + "\n"
+                + call("get_weather", {"city": "Zürich"}))
+    if "broken" in last:
+        return "Oops <tool_call>\n{\"name\": get_weather}\n</tool_call>"
+    if "arguments\": " in prompt[-40:]:  # a forced (named) call: the prompt opened it already
+        return '{"city": "Oslo"}}\n</tool_call>'
+    return ("<think>\nI need the weather tool.\n</think>\n\nLet me check.\n"
+            + call("get_weather", {"city": "Paris"}))
+
+
+class ScriptedEngine:
+    """The LLMEngine API over scripted output. chars=True emits one character per update, so every
+    split point of the text crosses an SSE chunk boundary."""
+
+    def __init__(self, chars: bool):
+        self.tokenizer = Tokenizer.from_model_dir("/nonexistent")  # the bundled Qwen3 files
+        self.model_config = SimpleNamespace(vocab_size=151936)
+        self.config = SimpleNamespace(max_model_len=4096)
+        self.chars = chars
+        self.prompts: list[str] = []
+        self.reqs: dict[str, list] = {}
+        self.broken = False
+
+    def add_request(self, rid, ids, params):
+        prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
+        self.prompts.append(prompt)
+        out = script(prompt)
+        if self.chars:
+            pieces = [([0], ch) for ch in out]
+        else:
+            detok = IncrementalDetokenizer(self.tokenizer, True, params.stop)
+            out_ids = self.tokenizer.encode(out)
+            pieces = [([t], detok.add_token(t)[0]) for t in out_ids]
+            pieces[-1] = (pieces[-1][0], pieces[-1][1] + detok.flush())
+        self.reqs[rid] = pieces
+
+    def abort_request(self, rid):
+        return self.reqs.pop(rid, None) is not None
+
+    def has_unfinished(self):
+        if self.broken:
+            raise RuntimeError("loop-level fault")
+        return bool(self.reqs)
+
+    def step(self):
+        ups = []
+        for rid, pieces in list(self.reqs.items()):
+            ids, text = pieces.pop(0)
+            done = not pieces
+            if done:
+                del self.reqs[rid]
+            ups.append(SimpleNamespace(request_id=rid, new_token_ids=ids, new_text=text,
+                                       finished=done, finish_reason="stop" if done else None,
+                                       logprobs=None))
+        return ups
+
+    def stats(self):
+        return {"num_running": len(self.reqs), "num_waiting": 0}
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["token-chunks", "char-chunks"])
+def srv(request):
+    eng = ScriptedEngine(chars=request.param)
+    s = RunningServer(eng, served_model_name=NAME)
+    s.engine = eng
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="none", timeout=30, max_retries=0)
+
+
+def stream_message(client, **kw):
+    """Accumulates a chat stream the way OpenAI clients do; checks no tag text reaches content."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for ch in client.chat.completions.create(model=NAME, stream=True, **kw):
+        if not ch.choices:
+            continue
+        d = ch.choices[0].delta
+        assert "<tool_call" not in (d.content or "") and "</tool_call" not in (d.content or "") \
+            or "Oops" in content + (d.content or "")
+        assert "think>" not in (d.content or "") and "think>" not in (getattr(d, "reasoning_content", None) or "")
+        content += d.content or ""
+        reasoning += getattr(d, "reasoning_content", None) or ""
+        for tc in d.tool_calls or []:
+            c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
+            c["id"] = tc.id or c["id"]
+            if tc.function:
+                c["name"] += tc.function.name or ""
+                c["arguments"] += tc.function.arguments or ""
+        finish = ch.choices[0].finish_reason or finish
+    return content, reasoning, [calls[k] for k in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_full_tool_round_trip(srv, client, stream):
+    messages = [{"role": "user", "content": "What's the weather in Paris?"}]
+    if stream:
+        content, reasoning, calls, finish = stream_message(client, messages=messages, tools=TOOLS)
+    else:
+        r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
+        m = r.choices[0].message
+        content, reasoning, finish = m.content, m.reasoning_content, r.choices[0].finish_reason
+        calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
+                 for c in m.tool_calls]
+        assert m.tool_calls[0].type == "function"
+    assert finish == "tool_calls"
+    assert content == "Let me check." and reasoning == "I need the weather tool."
+    assert len(calls) == 1 and calls[0]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert json.loads(calls[0]["arguments"]) == {"city": "Paris"}
+    assert "<tools>" in srv.engine.prompts[-1] and '"name": "get_weather"' in srv.engine.prompts[-1]
+
+    # the client runs the tool and sends the result back
+    messages += [
+        {"role": "assistant", "content": content, "tool_calls": [
+            {"id": calls[0]["id"], "type": "function",
+             "function": {"name": "get_weather", "arguments": calls[0]["arguments"]}}]},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": json.dumps({"temp": 21})}]
+    if stream:
+        content, reasoning, calls, finish = stream_message(client, messages=messages, tools=TOOLS)
+    else:
+        r = client.chat.completions.create(model=NAME, messages=messages, tools=TOOLS)
+        m = r.choices[0].message
+        content, reasoning, finish, calls = (m.content, m.reasoning_content,
+                                             r.choices[0].finish_reason, m.tool_calls or [])
+    assert (content, reasoning, finish, calls) == ("It is 21 °C in Paris.", "The tool says 21.",
+                                                   "stop", [])
+    p = srv.engine.prompts[-1]  # the model saw its own call and the tool's answer
+    assert ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            '</tool_call><|im_end|>') in p
+    assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>' in p
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_several_calls_and_malformed(srv, client, stream):
+    for prompt, want_content, want_args in [
+        ("weather in two cities", "Checking both.", [{"city": "Paris"}, {"city": "Zürich"}]),
+        ("broken call", "Oops <tool_call>\n{\"name\": get_weather}\n</tool_call>", []),
+    ]:
+        msgs = [{"role": "user", "content": prompt}]
+        if stream:
+            content, _, calls, finish = stream_message(client, messages=msgs, tools=TOOLS)
+            ids = [c["id"] for c in calls]
+            args = [json.loads(c["arguments"]) for c in calls]
+        else:
+            r = client.chat.completions.create(model=NAME, messages=msgs, tools=TOOLS)
+            m, finish = r.choices[0].message, r.choices[0].finish_reason
+            content = m.content
+            ids = [c.id for c in m.tool_calls or []]
+            args = [json.loads(c.function.arguments) for c in m.tool_calls or []]
+        assert content == want_content and args == want_args
+        assert len(set(ids)) == len(ids)
+        assert finish == ("tool_calls" if want_args else "stop")
+
+
+def test_named_tool_choice_forces_the_call(srv, client):
+    r = client.chat.completions.create(
+        model=NAME, messages=[{"role": "user", "content": "Anything"}], tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    m = r.choices[0].message
+    assert r.choices[0].finish_reason == "tool_calls" and m.content is None
+    assert m.tool_calls[0].function.name == "get_weather"
+    assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Oslo"}
+
+
+def test_tool_choice_none_leaves_text_alone(srv, client):
+    r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "two cities"}],
+                                       tools=TOOLS, tool_choice="none")
+    assert "<tools>" not in srv.engine.prompts[-1]
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+
+
+def test_health_is_503_once_the_engine_loop_dies():
+    eng = ScriptedEngine(chars=False)
+    s = RunningServer(eng, served_model_name=NAME)
+    try:
+        assert httpx.get(s.url + "/health", timeout=5).status_code == 200
+        eng.broken = True
+        assert wait_until(lambda: httpx.get(s.url + "/health", timeout=5).status_code == 503, 10)
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+    finally:
+        s.stop()
