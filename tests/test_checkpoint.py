@@ -2,7 +2,6 @@ import json
 import time
 
 import numpy as np
-import pytest
 import safetensors
 
 from openinfer.config import ModelConfig

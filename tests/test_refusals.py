@@ -1,6 +1,5 @@
 """Broken checkpoints and bad options are refused with messages that name the problem."""
 import json
-import shutil
 
 import numpy as np
 import pytest

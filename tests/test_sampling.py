@@ -26,8 +26,15 @@ def test_gumbel_matches_formula():
         x ^= x >> 30; x = (x * 0xBF58476D1CE4E5B9) & M
         x ^= x >> 27; x = (x * 0x94D049BB133111EB) & M
         x ^= x >> 31
-        u = (np.float32(x >> 40) + np.float32(0.5)) * np.float32(2.0 ** -24)
+        u = (np.float32(x >> 41) + np.float32(0.5)) * np.float32(2.0 ** -23)
         assert g[i] == -np.log(-np.log(np.float32(u)))
+
+
+def test_gumbel_never_infinite_at_the_top_of_the_range():
+    # the largest 23-bit draw plus 0.5 is exact in float32, so u < 1 and the noise stays finite
+    top = (np.float32((1 << 23) - 1) + np.float32(0.5)) * np.float32(2.0 ** -23)
+    assert top < 1 and np.isfinite(-np.log(-np.log(top)))
+    assert np.isfinite(ops.gumbel_noise(3, 1, 151936)).all()
 
 
 def test_greedy_takes_lowest_id_on_ties():

@@ -18,7 +18,8 @@ __device__ __forceinline__ uint64_t mix64(uint64_t x) {
 
 __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
   const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + (uint64_t)(pos + 1) * 0xD1B54A32D192ED03ull + (uint64_t)i);
-  const float u = ((float)(h >> 40) + 0.5f) * 5.9604644775390625e-08f;  // 2^-24
+  // 23 bits + 0.5 is exact in fp32, so u < 1 always (24 bits would round the top value up to u = 1, g = inf)
+  const float u = ((float)(h >> 41) + 0.5f) * 1.1920928955078125e-07f;  // 2^-23
   return -logf(-logf(u));
 }
 

@@ -105,7 +105,7 @@ def gumbel_noise(seed: int, pos: int, vocab: int) -> np.ndarray:
     with np.errstate(over="ignore"):
         base = _U64(seed) * _U64(0x9E3779B97F4A7C15) + _U64(pos + 1) * _U64(0xD1B54A32D192ED03)
         h = mix64(base + np.arange(vocab, dtype=_U64))
-    u = ((h >> _U64(40)).astype(F32) + F32(0.5)) * F32(2.0 ** -24)
+    u = ((h >> _U64(41)).astype(F32) + F32(0.5)) * F32(2.0 ** -23)  # exact: u < 1 always
     with np.errstate(divide="ignore"):
         return -np.log(-np.log(u))
 

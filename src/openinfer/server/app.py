@@ -15,6 +15,7 @@ import json
 import logging
 import time
 import uuid
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -27,21 +28,16 @@ from starlette.routing import Route
 
 from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatError, ChatOutputParser,
                     ChatTemplate, normalize_messages, normalize_tools)
+from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
 from .metrics import CONTENT_TYPE, Metrics, RequestTimer
-from .protocol import APIError, GenParams, bad, parse_chat, parse_completion
+from .protocol import APIError, GenParams, bad, parse_chat, parse_completion, sampling_defaults
 
 log = logging.getLogger("openinfer.server")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
-
-
-def _engine_errors():
-    """The engine's admission exceptions (imported late: the engine module loads the backends)."""
-    from ..engine import QueueFull, RequestRejected
-    return RequestRejected, QueueFull
 
 
 @dataclass
@@ -55,6 +51,7 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     metrics: Metrics
+    defaults: dict = field(default_factory=dict)  # sampling defaults from generation_config.json
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -124,7 +121,6 @@ def _sampling_params(gen: GenParams) -> SamplingParams:
 
 async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
     """One engine request per prompt; maps admission errors to 400 / 503."""
-    RequestRejected, QueueFull = _engine_errors()
     try:
         group = st.engine.new_group()
     except EngineDeadError as e:
@@ -155,8 +151,8 @@ async def _until_disconnect(request: Request) -> None:
             return
 
 
-async def _collect(request: Request, group, on_update) -> None:
-    """Feeds every update to on_update; aborts the requests when the client goes away."""
+async def _collect(request: Request, group, on_update) -> bool:
+    """Feeds every update to on_update; False (requests aborted) when the client went away."""
     async def consume():
         async for idx, u in group.updates():
             on_update(idx, u)
@@ -166,12 +162,16 @@ async def _collect(request: Request, group, on_update) -> None:
     try:
         await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
         if not work.done():
-            work.cancel()
-            raise asyncio.CancelledError("client disconnected")
+            return False
         work.result()  # re-raise an engine error
+        return True
     finally:
-        watch.cancel()
+        for t in (work, watch):
+            t.cancel()
         group.close()
+
+
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the access log shows it
 
 
 class SSEResponse(StreamingResponse):
@@ -360,7 +360,7 @@ def _usage(n_prompt: int, n_gen: int) -> dict:
 
 async def completions(st: ServerState, request: Request) -> Response:
     t0 = now()
-    req = parse_completion(await _read_json(request, st.max_body_bytes))
+    req = parse_completion(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
     prompts = [_check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p)
                for p in req.prompts]
@@ -420,7 +420,8 @@ async def completions(st: ServerState, request: Request) -> Response:
             finish[idx] = u.finish_reason
             timers[idx].finish()
 
-    await _collect(request, group, on_update)
+    if not await _collect(request, group, on_update):
+        return Response(status_code=CLIENT_GONE)
     choices = [{"index": i, "text": "".join(texts[i]),
                 "logprobs": _completion_logprobs(st.tokenizer, rows[i], 0) if want_lp else None,
                 "finish_reason": finish[i]} for i in range(len(prompts))]
@@ -445,7 +446,7 @@ def _delta_json(d, tool_index: int) -> tuple[dict, int]:
 
 async def chat_completions(st: ServerState, request: Request) -> Response:
     t0 = now()
-    req = parse_chat(await _read_json(request, st.max_body_bytes))
+    req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
     prompt, how = _render_chat(st, req)
     ids = st.tokenizer.encode(prompt)
@@ -516,7 +517,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
             fin[0] = u.finish_reason
             timer.finish()
 
-    await _collect(request, group, on_update)
+    if not await _collect(request, group, on_update):
+        return Response(status_code=CLIENT_GONE)
     d = parser.parse("".join(text))
     message: dict = {"role": "assistant",
                      "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
@@ -538,6 +540,16 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
                            code=code))
 
 
+def _generation_defaults(engine: Any) -> dict:
+    path = Path(getattr(engine.config, "model_path", "") or "/nonexistent") / "generation_config.json"
+    try:
+        d = sampling_defaults(json.loads(path.read_text()))
+    except (OSError, ValueError):
+        return {}
+    log.info("sampling defaults from %s: %s", path, d)
+    return d
+
+
 def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               chat_template: ChatTemplate | None = None) -> Starlette:
@@ -549,7 +561,8 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     st = ServerState(engine=ae, tokenizer=tok, template=chat_template, model_name=served_model_name,
                      max_model_len=engine.config.max_model_len,
                      vocab_size=engine.model_config.vocab_size, api_key=api_key,
-                     max_body_bytes=max_body_bytes, metrics=Metrics(ae, served_model_name))
+                     max_body_bytes=max_body_bytes, metrics=Metrics(ae, served_model_name),
+                     defaults=_generation_defaults(engine))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -199,6 +199,8 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("engine loop died"))
         finally:
             self._stop.set()
+            if self._subs:  # shutdown with requests in flight: end them rather than leave them hanging
+                self._fail_all(EngineDeadError("the server is shutting down"))
             self._refuse_queued()
 
     def _refuse_queued(self) -> None:

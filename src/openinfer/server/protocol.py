@@ -67,6 +67,19 @@ def _opt(body: dict, name: str, check, what: str, default=None):
     return v
 
 
+def sampling_defaults(generation_config: dict) -> dict:
+    """temperature/top_p/top_k a request gets when it leaves them out: the model's own
+    generation_config.json (Qwen3: 0.6 / 0.95 / 20), as the releases intend; invalid values ignored."""
+    checks = {"temperature": lambda v: _is_num(v) and 0 <= v <= 2,
+              "top_p": lambda v: _is_num(v) and 0 < v <= 1,
+              "top_k": lambda v: _is_int(v) and v >= -1}
+    out = {k: generation_config[k] for k, ok in checks.items()
+           if k in generation_config and ok(generation_config[k])}
+    if generation_config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
 @dataclass
 class GenParams:
     """Sampling fields shared by both endpoints (engine-independent)."""
@@ -90,7 +103,9 @@ def _check_unsupported(body: dict, table: dict) -> None:
             raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
-def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None) -> GenParams:
+def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
+                defaults: dict | None) -> GenParams:
+    defaults = defaults or {}
     _check_unsupported(body, _UNSUPPORTED_COMMON)
     _check_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)
     n = _opt(body, "n", _is_int, "an integer", 1)
@@ -103,9 +118,11 @@ def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None) -> Ge
     if max_tokens is None:
         max_tokens = default_max_tokens
     temperature = float(_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2,
-                             "a number in [0, 2]", 1.0))
-    top_p = float(_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]", 1.0))
-    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)", 0)
+                             "a number in [0, 2]", defaults.get("temperature", 1.0)))
+    top_p = float(_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]",
+                       defaults.get("top_p", 1.0)))
+    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)",
+                 defaults.get("top_k", 0))
     seed = _opt(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer")
     if seed is not None and seed < 0:  # OpenAI seeds are int64; map onto the engine's uint64
         seed += 2**64
@@ -173,7 +190,7 @@ def _token_list(v) -> bool:
     return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
 
 
-def parse_completion(body: Any) -> CompletionRequest:
+def parse_completion(body: Any, defaults: dict | None = None) -> CompletionRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     p = body.get("prompt")
@@ -192,11 +209,12 @@ def parse_completion(body: Any) -> CompletionRequest:
         raise bad("'prompt' must not be empty", "prompt")
     if len(prompts) > 64:
         raise bad("at most 64 prompts per request", "prompt")
-    gen = _gen_params(body, chat=False, default_max_tokens=16)  # OpenAI's completions default
+    gen = _gen_params(body, chat=False, default_max_tokens=16,  # OpenAI's completions default
+                      defaults=defaults)
     return CompletionRequest(_model(body), prompts, gen)
 
 
-def parse_chat(body: Any) -> ChatRequest:
+def parse_chat(body: Any, defaults: dict | None = None) -> ChatRequest:
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     messages = body.get("messages")
@@ -238,6 +256,6 @@ def parse_chat(body: Any) -> ChatRequest:
     if reserved:
         raise bad(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
     agp = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
-    gen = _gen_params(body, chat=True, default_max_tokens=None)
+    gen = _gen_params(body, chat=True, default_max_tokens=None, defaults=defaults)
     return ChatRequest(_model(body), messages, tools, tool_choice, thinking,
                        {k: v for k, v in kwargs.items() if k != "enable_thinking"}, agp, gen, named)

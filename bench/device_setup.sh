@@ -1,0 +1,13 @@
+# Source on the GPU machine from the repo root: installs the carried wheels (.whl/) into /tmp/site,
+# puts the prebuilt _engine next to the sources, and sets PYTHONPATH. See docs/development.md.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  $(ls .whl/*.whl | grep -v '/openinfer-') || return 1
+python3 - <<'PY' || return 1
+import glob, shutil, zipfile
+z = zipfile.ZipFile(sorted(glob.glob(".whl/openinfer-*.whl"))[-1])
+for n in z.namelist():
+    if "/_engine" in n:
+        with z.open(n) as src, open("src/openinfer/" + n.split("/")[-1], "wb") as dst:
+            shutil.copyfileobj(src, dst)
+PY
+export PYTHONPATH=$PWD/src:/tmp/site:$PWD/tests

@@ -1,0 +1,44 @@
+"""Request validation units (the HTTP-level table lives in test_server.py)."""
+
+import pytest
+
+from openinfer.server.protocol import APIError, parse_chat, parse_completion, sampling_defaults
+
+QWEN_GEN = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def test_generation_config_supplies_defaults_not_overrides():
+    d = sampling_defaults(QWEN_GEN)
+    assert d == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    g = parse_completion({"prompt": "x"}, d).gen
+    assert (g.temperature, g.top_p, g.top_k, g.max_tokens) == (0.6, 0.95, 20, 16)
+    g = parse_chat({"messages": [{"role": "user", "content": "x"}], "temperature": 0,
+                    "top_k": -1}, d).gen
+    assert (g.temperature, g.top_p, g.top_k, g.max_tokens) == (0.0, 0.95, 0, None)
+    assert sampling_defaults({"do_sample": False, "temperature": "hot"}) == {"temperature": 0.0}
+
+
+def test_chat_fields():
+    r = parse_chat({"messages": [{"role": "user", "content": "x"}], "max_tokens": 5,
+                    "max_completion_tokens": 7, "logprobs": True, "top_logprobs": 3, "seed": -1,
+                    "stop": "END", "tools": [{"type": "function", "function": {"name": "f"}}],
+                    "tool_choice": {"type": "function", "function": {"name": "f"}},
+                    "chat_template_kwargs": {"enable_thinking": False}})
+    g = r.gen
+    assert (g.max_tokens, g.logprobs, g.seed, g.stop) == (7, 3, 2**64 - 1, ["END"])
+    assert r.named_tool == "f" and r.enable_thinking is False and r.tool_choice["type"] == "function"
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).tool_choice == "none"
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"prompt": "x", "frequency_penalty": 0.1}, "frequency_penalty"),
+    ({"prompt": "x", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "x", "temperature": float("inf")}, "temperature"),
+    ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
+    ({"prompt": ["a"] * 65}, "prompt"),
+    ({"prompt": [[1], "a"]}, "prompt"),
+])
+def test_rejections_name_the_field(body, param):
+    with pytest.raises(APIError) as e:
+        parse_completion(body)
+    assert e.value.status == 400 and e.value.param == param
