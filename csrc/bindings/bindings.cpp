@@ -103,6 +103,7 @@ PYBIND11_MODULE(_engine, m) {
              o.gpu_memory_utilization = opts["gpu_memory_utilization"].cast<double>();
              o.num_kv_blocks = opts["num_kv_blocks"].cast<int>();
              o.cublaslt_path = opts["cublaslt_path"].cast<std::string>();
+             o.cuda_graph = opts["cuda_graph"].cast<bool>();
              ModelDims d = dims_from(model);
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(d, o);
@@ -124,6 +125,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("activation_bytes", &Engine::activation_bytes)
       .def_property_readonly("num_sms", &Engine::num_sms)
       .def_property_readonly("device_name", &Engine::device_name)
+      .def_property_readonly("graph_batches", &Engine::graph_batches)
+      .def_property_readonly("graph_steps", &Engine::graph_steps)
       .def("step",
            [](Engine& e, const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
               const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,

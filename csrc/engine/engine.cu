@@ -67,8 +67,25 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   rope_table_init(rope_, opt_.max_model_len, d_.head_dim, d_.rope_theta, stream_);
 }
 
+std::vector<int> graph_batch_sizes(int max_num_seqs) {
+  std::vector<int> out;
+  for (int b : {1, 2, 4, 8})
+    if (b <= max_num_seqs) out.push_back(b);
+  for (int b = 16; b <= max_num_seqs; b += 16) out.push_back(b);
+  if (out.empty() || out.back() != max_num_seqs) out.push_back(max_num_seqs);
+  return out;
+}
+
+std::vector<int> Engine::graph_batches() const {
+  std::vector<int> out;
+  for (const auto& g : graphs_) out.push_back(g.batch);
+  return out;
+}
+
 Engine::~Engine() {
   if (stream_) cudaStreamSynchronize(stream_);
+  for (auto& g : graphs_) cudaGraphExecDestroy(g.exec);
+  if (graph_host_) cudaFreeHost(graph_host_);
   gemm_.reset();
   for (void* p : allocations_) cudaFree(p);
   if (kv_cache_) cudaFree(kv_cache_);
@@ -199,7 +216,134 @@ int64_t Engine::finalize() {
   OI_CUDA_CHECK(cudaMalloc(&kv_cache_, (size_t)num_blocks_ * kv_block_bytes()));
   OI_CUDA_CHECK(cudaMemset(kv_cache_, 0, (size_t)num_blocks_ * kv_block_bytes()));  // unwritten slots stay finite
   finalized_ = true;
+  if (opt_.cuda_graph) capture_graphs();
   return num_blocks_;
+}
+
+StepMeta Engine::graph_meta(int batch) const {
+  StepMeta m{};
+  const int group = d_.heads / d_.kv_heads;
+  m.T = m.B = m.S = m.num_work = batch;
+  m.bt_stride = graph_bt_stride_;
+  m.max_rows = group;
+  // One split count for every context a graph may see: sized for the longest (short ones leave splits empty).
+  m.num_splits = attn_num_splits(batch, d_.kv_heads, graph_splits_max_ctx_, batch, num_sms_, max_split_rows_);
+  m.num_logprobs = 0;
+  char* d = graph_dev_;
+  m.ids = (const int32_t*)(d + ga_.ids);
+  m.positions = (const int32_t*)(d + ga_.pos);
+  m.slots = (const int32_t*)(d + ga_.slots);
+  m.context_lens = (const int32_t*)(d + ga_.ctx);
+  m.sample_idx = (const int32_t*)(d + ga_.sidx);
+  m.sample_pos = (const int32_t*)(d + ga_.spos);
+  m.top_k = (const int32_t*)(d + ga_.topk);
+  m.temperature = (const float*)(d + ga_.temp);
+  m.top_p = (const float*)(d + ga_.topp);
+  m.seeds = (const uint64_t*)(d + ga_.seeds);
+  m.work = (const AttnWork*)(d + ga_.work);
+  m.block_tables = (const int32_t*)(d + ga_.bt);
+  m.out_tokens = (int32_t*)(d + ga_.tokens);
+  m.out_logprobs = (float*)(d + ga_.logprobs);
+  m.out_top_ids = nullptr;
+  m.out_top_logprobs = nullptr;
+  return m;
+}
+
+void Engine::capture_graphs() {
+  const std::vector<int> sizes = graph_batch_sizes(opt_.max_num_seqs);
+  const int Bmax = sizes.back();
+  graph_bt_stride_ = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;
+  graph_splits_max_ctx_ = opt_.max_model_len;
+  // Small per-row fields first, block tables last, so a step copies one prefix of the arena.
+  size_t off = 0;
+  auto field = [&](size_t bytes) { const size_t o = off; off = align_up(off + bytes); return o; };
+  ga_.ids = field(Bmax * 4); ga_.pos = field(Bmax * 4); ga_.slots = field(Bmax * 4); ga_.ctx = field(Bmax * 4);
+  ga_.sidx = field(Bmax * 4); ga_.spos = field(Bmax * 4); ga_.topk = field(Bmax * 4); ga_.temp = field(Bmax * 4);
+  ga_.topp = field(Bmax * 4); ga_.seeds = field(Bmax * 8); ga_.work = field(Bmax * sizeof(AttnWork));
+  ga_.tokens = field(Bmax * 4); ga_.logprobs = field(Bmax * 4);
+  ga_.bt = field((size_t)Bmax * graph_bt_stride_ * 4);
+  ga_.bytes = off;
+  OI_CUDA_CHECK(cudaMallocHost(&graph_host_, ga_.bytes));
+  graph_dev_ = static_cast<char*>(alloc(ga_.bytes, &act_bytes_));
+  // Dummy decode rows for capture: block 0 is reserved, so nothing real is touched.
+  std::memset(graph_host_, 0, ga_.bytes);
+  for (int i = 0; i < Bmax; ++i) {
+    reinterpret_cast<int32_t*>(graph_host_ + ga_.slots)[i] = -1;
+    reinterpret_cast<int32_t*>(graph_host_ + ga_.ctx)[i] = 1;
+    reinterpret_cast<int32_t*>(graph_host_ + ga_.sidx)[i] = i;
+    reinterpret_cast<float*>(graph_host_ + ga_.topp)[i] = 1.f;
+    reinterpret_cast<AttnWork*>(graph_host_ + ga_.work)[i] = AttnWork{i, i, 1, 0};
+  }
+  OI_CUDA_CHECK(cudaMemcpy(graph_dev_, graph_host_, ga_.bytes, cudaMemcpyHostToDevice));
+  gemm_->set_autotune(true);  // time GEMM candidates for the decode shapes (dummy data, results unused)
+  for (int b : sizes) {
+    const StepMeta m = graph_meta(b);
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, stream_);  // warm-up: plans made here
+    OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t g = nullptr;
+    OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, stream_);
+    OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+    Graph gr;
+    gr.batch = b;
+    OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
+    OI_CUDA_CHECK(cudaGraphDestroy(g));
+    graphs_.push_back(gr);
+  }
+  gemm_->set_autotune(false);
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// Decode-only steps (one token per sequence, no logprobs or logits asked) replay the smallest graph that
+// holds the batch; padding rows read the reserved block 0 and write nothing (slot -1).
+bool Engine::try_graph(const HostStep& in, StepResult* out) {
+  if (graphs_.empty() || in.T != in.B || in.S != in.B || in.num_logprobs != 0 || in.return_logits) return false;
+  const int B = in.B;
+  const Graph* g = nullptr;
+  for (const auto& c : graphs_)
+    if (c.batch >= B) { g = &c; break; }
+  if (!g) return false;
+  for (int b = 0; b < B; ++b)
+    if (in.query_start_loc[b] != b || in.sample_idx[b] != b) return false;
+  const int Bg = g->batch;
+  char* h = graph_host_;
+  auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
+  std::memcpy(h + ga_.ids, in.ids, B * 4);
+  std::memcpy(h + ga_.pos, in.positions, B * 4);
+  std::memcpy(h + ga_.slots, in.slots, B * 4);
+  std::memcpy(h + ga_.ctx, in.context_lens, B * 4);
+  std::memcpy(h + ga_.spos, in.positions, B * 4);
+  std::memcpy(h + ga_.topk, in.top_k, B * 4);
+  std::memcpy(h + ga_.temp, in.temperature, B * 4);
+  std::memcpy(h + ga_.topp, in.top_p, B * 4);
+  std::memcpy(h + ga_.seeds, in.seeds, B * 8);
+  for (int b = B; b < Bg; ++b) {  // padding rows
+    i32(ga_.ids)[b] = 0; i32(ga_.pos)[b] = 0; i32(ga_.slots)[b] = -1; i32(ga_.ctx)[b] = 1; i32(ga_.spos)[b] = 0;
+    i32(ga_.topk)[b] = 0;
+    reinterpret_cast<float*>(h + ga_.temp)[b] = 0.f;
+    reinterpret_cast<float*>(h + ga_.topp)[b] = 1.f;
+  }
+  const int W = graph_bt_stride_;
+  const int nb_cols = std::min(in.bt_stride, W);
+  int32_t* bt = i32(ga_.bt);
+  for (int b = 0; b < Bg; ++b) {
+    int32_t* row = bt + (size_t)b * W;
+    if (b < B) std::memcpy(row, in.block_tables + (size_t)b * in.bt_stride, nb_cols * 4);  // only ctx's blocks are read
+    else row[0] = 0;
+  }
+  const size_t bytes = ga_.bt + (size_t)Bg * W * 4;
+  OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, bytes, cudaMemcpyHostToDevice, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bt - ga_.tokens, cudaMemcpyDeviceToHost, stream_));
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  OI_CUDA_CHECK(cudaEventElapsedTime(&out->gpu_ms, ev0_, ev1_));
+  out->tokens.assign(i32(ga_.tokens), i32(ga_.tokens) + B);
+  const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
+  out->logprobs.assign(lp, lp + B);
+  ++graph_steps_;
+  return true;
 }
 
 StepResult Engine::step(const HostStep& in) {
@@ -252,6 +396,10 @@ StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
     OI_INPUT_CHECK(in.sample_idx[r] >= 0 && in.sample_idx[r] < T, "sample_idx " << in.sample_idx[r] << " out of range");
     OI_INPUT_CHECK(std::isfinite(in.temperature[r]) && in.top_p[r] > 0.f && in.top_p[r] <= 1.f, "bad sampling parameters in row " << r);
     sample_pos[r] = in.positions[in.sample_idx[r]];
+  }
+  if (kv_cache == kv_cache_) {
+    StepResult r;
+    if (try_graph(in, &r)) return r;
   }
   const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_);
 

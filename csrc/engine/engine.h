@@ -17,7 +17,11 @@ struct EngineOptions {
   double gpu_memory_utilization = 0.90;
   int num_kv_blocks = 0;       // > 0: use exactly this many blocks instead of sizing from free memory
   std::string cublaslt_path;   // hint for dlopen; empty: the loader's search path
+  bool cuda_graph = true;      // capture decode steps for the batch sizes of graph_batch_sizes()
 };
+
+// Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16 up to max_num_seqs (and it).
+std::vector<int> graph_batch_sizes(int max_num_seqs);
 
 // One step's inputs, as host pointers (layout: docs/architecture.md).
 struct HostStep {
@@ -55,12 +59,25 @@ class Engine {
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t activation_bytes() const { return act_bytes_; }
   int num_sms() const { return num_sms_; }
+  std::vector<int> graph_batches() const;
+  int64_t graph_steps() const { return graph_steps_; }
   std::string device_name() const { return device_name_; }
 
  private:
   void* alloc(size_t bytes, int64_t* counter);
   bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
   StepResult run(const HostStep& in, bf16* kv_cache, int64_t num_blocks);
+  // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
+  struct Graph {
+    int batch = 0;
+    cudaGraphExec_t exec = nullptr;
+  };
+  struct GraphArena {
+    size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, tokens, logprobs, bt, bytes;
+  };
+  void capture_graphs();
+  StepMeta graph_meta(int batch) const;
+  bool try_graph(const HostStep& in, StepResult* out);
 
   ModelDims d_;
   EngineOptions opt_;
@@ -83,6 +100,12 @@ class Engine {
   char* dev_meta_ = nullptr;
   size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
   bool finalized_ = false;
+  std::vector<Graph> graphs_;  // ascending batch
+  GraphArena ga_{};
+  char* graph_host_ = nullptr;
+  char* graph_dev_ = nullptr;
+  int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
+  int64_t graph_steps_ = 0;
 };
 
 }  // namespace oi

@@ -92,7 +92,8 @@ Gemm::~Gemm() {
   if (handle_) api_->cublasLtDestroy(static_cast<cublasLtHandle_t>(handle_));
 }
 
-Gemm::Plan& Gemm::plan(int M, int N, int K, bool accumulate, bool out_f32) {
+Gemm::Plan& Gemm::plan(int M, int N, int K, bool accumulate, bool out_f32, const bf16* X, const bf16* W, void* Y,
+                       cudaStream_t s) {
   const Key key{M, N, K, accumulate, out_f32};
   auto it = plans_.find(key);
   if (it != plans_.end()) return *it->second;
@@ -111,25 +112,54 @@ Gemm::Plan& Gemm::plan(int M, int N, int K, bool accumulate, bool out_f32) {
   OI_LT_CHECK(api_->cublasLtMatmulPreferenceCreate(&pref));
   OI_LT_CHECK(api_->cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                          &workspace_bytes_, sizeof(workspace_bytes_)));
-  cublasLtMatmulHeuristicResult_t res{};
+  constexpr int kCandidates = 8;
+  cublasLtMatmulHeuristicResult_t res[kCandidates]{};
   int found = 0;
+  const bool tune = autotune_ && M <= 512;
   const cublasStatus_t st = api_->cublasLtMatmulAlgoGetHeuristic(static_cast<cublasLtHandle_t>(handle_), p->desc, p->a,
-                                                                 p->b, p->c, p->c, pref, 1, &res, &found);
+                                                                 p->b, p->c, p->c, pref, tune ? kCandidates : 1, res, &found);
   api_->cublasLtMatmulPreferenceDestroy(pref);
   OI_CHECK(st == CUBLAS_STATUS_SUCCESS && found > 0,
            "cuBLASLt has no algorithm for GEMM M=" << M << " N=" << N << " K=" << K << " (status " << (int)st << ")");
-  p->algo = res.algo;
+  p->algo = res[0].algo;
+  if (tune && found > 1) {
+    // Small-M (decode) shapes: the heuristic's first pick is often not the fastest; time each candidate.
+    cudaEvent_t e0, e1;
+    OI_CUDA_CHECK(cudaEventCreate(&e0));
+    OI_CUDA_CHECK(cudaEventCreate(&e1));
+    const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
+    float best = 1e30f;
+    for (int i = 0; i < found; ++i) {
+      if (res[i].workspaceSize > workspace_bytes_) continue;
+      auto launch = [&]() {
+        return api_->cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p->desc, &alpha, W, p->a, X, p->b, &beta, Y,
+                                    p->c, Y, p->c, &res[i].algo, workspace_, workspace_bytes_, s);
+      };
+      if (launch() != CUBLAS_STATUS_SUCCESS) continue;
+      OI_CUDA_CHECK(cudaEventRecord(e0, s));
+      constexpr int kReps = 10;
+      for (int r = 0; r < kReps; ++r) OI_LT_CHECK(launch());
+      OI_CUDA_CHECK(cudaEventRecord(e1, s));
+      OI_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.f;
+      OI_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      if (ms < best) {
+        best = ms;
+        p->algo = res[i].algo;
+      }
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+  }
   auto& ref = *p;
   plans_.emplace(key, std::move(p));
   return ref;
 }
 
-void Gemm::prepare(int M, int N, int K, bool accumulate, bool out_f32) { plan(M, N, K, accumulate, out_f32); }
-
 void Gemm::run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
                cudaStream_t s) {
   if (M == 0) return;
-  Plan& p = plan(M, N, K, accumulate, out_f32);
+  Plan& p = plan(M, N, K, accumulate, out_f32, X, W, Y, s);
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   OI_LT_CHECK(api_->cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, W, p.a, X, p.b, &beta, Y,
                                    p.c, Y, p.c, &p.algo, workspace_, workspace_bytes_, s));

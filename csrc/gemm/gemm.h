@@ -22,18 +22,20 @@ class Gemm {
 
   // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
   void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s);
-  // Make the plan for a shape ahead of time (before CUDA graph capture).
-  void prepare(int M, int N, int K, bool accumulate, bool out_f32);
+  // While on, a new shape with M <= 512 times the heuristic's candidates on the buffers it is given and
+  // keeps the fastest (the data is overwritten: only for warm-up passes over dummy inputs).
+  void set_autotune(bool on) { autotune_ = on; }
 
  private:
   struct Plan;
   using Key = std::tuple<int, int, int, bool, bool>;
-  Plan& plan(int M, int N, int K, bool accumulate, bool out_f32);
+  Plan& plan(int M, int N, int K, bool accumulate, bool out_f32, const bf16* X, const bf16* W, void* Y, cudaStream_t s);
 
   std::unique_ptr<LtApi> api_;
   void* handle_ = nullptr;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 32u << 20;
+  bool autotune_ = false;
   std::map<Key, std::unique_ptr<Plan>> plans_;
 };
 

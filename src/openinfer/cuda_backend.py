@@ -72,7 +72,7 @@ class CudaBackend:
         opts = dict(max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                     max_model_len=c.max_model_len, kv_block_size=c.kv_block_size,
                     gpu_memory_utilization=c.gpu_memory_utilization, num_kv_blocks=c.num_kv_blocks or 0,
-                    cublaslt_path=_cublaslt_hint())
+                    cublaslt_path=_cublaslt_hint(), cuda_graph=c.cuda_graph)
         self.eng = _engine.Engine(model, opts)
         if c.load_format == "random":
             self.eng.init_random(c.seed)
@@ -91,6 +91,8 @@ class CudaBackend:
                  c.load_format, t_load, self.eng.activation_bytes / gib, self.num_kv_blocks,
                  self.eng.kv_block_bytes / (1 << 20), self.num_kv_blocks * self.eng.kv_block_bytes / gib,
                  c.gpu_memory_utilization)
+        if c.cuda_graph:
+            log.info("CUDA graphs captured for decode batch sizes %s", self.eng.graph_batches)
         self.last_gpu_ms = 0.0
 
     def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
