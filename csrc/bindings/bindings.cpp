@@ -6,6 +6,7 @@
 
 #include "../engine/engine.h"
 #include "../kernels/elementwise.cuh"
+#include "../kernels/gemv.cuh"
 #include "../kernels/random_init.cuh"
 
 #include <cstring>
@@ -131,7 +132,8 @@ PYBIND11_MODULE(_engine, m) {
            [](Engine& e, const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
               const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,
               const Arr<int32_t>& sample_idx, const Arr<float>& temperature, const Arr<float>& top_p,
-              const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits) {
+              const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits,
+              bool force_eager) {
              HostStep h;
              h.T = (int)input_ids.size();
              h.B = (int)context_lens.size();
@@ -150,6 +152,7 @@ PYBIND11_MODULE(_engine, m) {
              h.context_lens = ptr(context_lens); h.block_tables = ptr(block_tables); h.slots = ptr(slot_mapping);
              h.sample_idx = ptr(sample_idx); h.temperature = ptr(temperature); h.top_p = ptr(top_p);
              h.top_k = ptr(top_k); h.seeds = ptr(seeds); h.num_logprobs = num_logprobs; h.return_logits = return_logits;
+             h.force_eager = force_eager;
              StepResult r;
              {
                py::gil_scoped_release nogil;
@@ -164,7 +167,7 @@ PYBIND11_MODULE(_engine, m) {
            py::arg("input_ids"), py::arg("positions"), py::arg("query_start_loc"), py::arg("context_lens"),
            py::arg("block_tables"), py::arg("slot_mapping"), py::arg("sample_idx"), py::arg("temperature"),
            py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("num_logprobs") = 0,
-           py::arg("return_logits") = false);
+           py::arg("return_logits") = false, py::arg("force_eager") = false);
 
   // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
@@ -202,6 +205,27 @@ PYBIND11_MODULE(_engine, m) {
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     if (out_f32) return py::array(dy.get<float>({M, N}));
     return py::array(dy.get<uint16_t>({M, N}));
+  });
+  ops.def("gemv", [](const Arr<uint16_t>& x, py::object norm_w, const Arr<uint16_t>& w, int M, int N, int K, int in_mode,
+                     int out_mode, py::object y_init, float eps) {
+    const bool f32out = out_mode == (int)GemvOut::kF32;
+    const size_t ob = (size_t)M * N * (f32out ? 4 : 2);
+    Dev dx(x), dw(w), dy(ob);
+    std::unique_ptr<Dev> dn;
+    if (!norm_w.is_none()) dn = std::make_unique<Dev>(norm_w.cast<Arr<uint16_t>>());
+    if (!y_init.is_none()) {
+      py::array a = y_init.cast<py::array>();
+      if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemv: y_init has the wrong size");
+      OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
+    }
+    cudaDeviceProp prop{};
+    OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    GemvArgs g{dx.as<bf16>(), dn ? dn->as<bf16>() : nullptr, eps, dw.as<bf16>(), dy.p, M, N, K};
+    const bool ran = gemv(g, (GemvIn)in_mode, (GemvOut)out_mode, prop.multiProcessorCount, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    if (!ran) return py::object(py::none());
+    if (f32out) return py::object(dy.get<float>({M, N}));
+    return py::object(dy.get<uint16_t>({M, N}));
   });
   ops.def("qk_norm_rope_kv_write",
           [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& qw, const Arr<uint16_t>& kw, const Arr<int32_t>& positions,

@@ -84,7 +84,8 @@ std::vector<int> Engine::graph_batches() const {
 
 Engine::~Engine() {
   if (stream_) cudaStreamSynchronize(stream_);
-  for (auto& g : graphs_) cudaGraphExecDestroy(g.exec);
+  for (auto& g : graphs_)
+    if (g.exec) cudaGraphExecDestroy(g.exec);
   if (graph_host_) cudaFreeHost(graph_host_);
   gemm_.reset();
   for (void* p : allocations_) cudaFree(p);
@@ -216,7 +217,7 @@ int64_t Engine::finalize() {
   OI_CUDA_CHECK(cudaMalloc(&kv_cache_, (size_t)num_blocks_ * kv_block_bytes()));
   OI_CUDA_CHECK(cudaMemset(kv_cache_, 0, (size_t)num_blocks_ * kv_block_bytes()));  // unwritten slots stay finite
   finalized_ = true;
-  if (opt_.cuda_graph) capture_graphs();
+  capture_graphs();  // decode buckets always; the graphs themselves only when cuda_graph is on
   return num_blocks_;
 }
 
@@ -278,14 +279,18 @@ void Engine::capture_graphs() {
   gemm_->set_autotune(true);  // time GEMM candidates for the decode shapes (dummy data, results unused)
   for (int b : sizes) {
     const StepMeta m = graph_meta(b);
-    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, stream_);  // warm-up: plans made here
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);  // warm-up: plans made here
     OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    cudaGraph_t g = nullptr;
-    OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, stream_);
-    OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
     Graph gr;
     gr.batch = b;
+    if (!opt_.cuda_graph) {  // eager decode still runs the bucketed shapes: identical outputs either way
+      graphs_.push_back(gr);
+      continue;
+    }
+    cudaGraph_t g = nullptr;
+    OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+    OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
     OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
     OI_CUDA_CHECK(cudaGraphDestroy(g));
     graphs_.push_back(gr);
@@ -294,8 +299,9 @@ void Engine::capture_graphs() {
   OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
-// Decode-only steps (one token per sequence, no logprobs or logits asked) replay the smallest graph that
-// holds the batch; padding rows read the reserved block 0 and write nothing (slot -1).
+// Decode-only steps (one token per sequence, no logprobs or logits asked) run padded to the smallest
+// bucket that holds the batch, replaying its graph (or, with cuda_graph off or force_eager, the same
+// kernels launched eagerly: identical results). Padding rows read the reserved block 0 and write nothing.
 bool Engine::try_graph(const HostStep& in, StepResult* out) {
   if (graphs_.empty() || in.T != in.B || in.S != in.B || in.num_logprobs != 0 || in.return_logits) return false;
   const int B = in.B;
@@ -334,7 +340,12 @@ bool Engine::try_graph(const HostStep& in, StepResult* out) {
   const size_t bytes = ga_.bt + (size_t)Bg * W * 4;
   OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, bytes, cudaMemcpyHostToDevice, stream_));
   OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-  OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
+  if (g->exec && !in.force_eager) {
+    OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
+    ++graph_steps_;
+  } else {
+    qwen3_forward(d_, w_, act_, graph_meta(Bg), rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+  }
   OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
   OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bt - ga_.tokens, cudaMemcpyDeviceToHost, stream_));
   OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -342,7 +353,6 @@ bool Engine::try_graph(const HostStep& in, StepResult* out) {
   out->tokens.assign(i32(ga_.tokens), i32(ga_.tokens) + B);
   const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
   out->logprobs.assign(lp, lp + B);
-  ++graph_steps_;
   return true;
 }
 
@@ -438,7 +448,7 @@ StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
 
   OI_CUDA_CHECK(cudaMemcpyAsync(dev_meta_, host_meta_, in_bytes, cudaMemcpyHostToDevice, stream_));
   OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
-  qwen3_forward(d_, w_, act_, m, rope_, kv_cache, kv_, *gemm_, stream_);
+  qwen3_forward(d_, w_, act_, m, rope_, kv_cache, kv_, *gemm_, num_sms_, stream_);
   OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
   OI_CUDA_CHECK(cudaMemcpyAsync(host_meta_ + out_start, dev_meta_ + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
   StepResult r;

@@ -32,6 +32,7 @@ struct HostStep {
   const uint64_t* seeds;
   int num_logprobs = 0;
   bool return_logits = false;
+  bool force_eager = false;  // decode buckets launched without their graph (for graph == eager tests)
 };
 
 struct StepResult {
@@ -70,7 +71,7 @@ class Engine {
   // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
   struct Graph {
     int batch = 0;
-    cudaGraphExec_t exec = nullptr;
+    cudaGraphExec_t exec = nullptr;  // null when cuda_graph is off
   };
   struct GraphArena {
     size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, tokens, logprobs, bt, bytes;

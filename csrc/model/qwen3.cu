@@ -1,16 +1,38 @@
 #include "../kernels/elementwise.cuh"
+#include "../kernels/gemv.cuh"
 #include "qwen3.h"
 
 namespace oi {
+namespace {
+
+// One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
+// kernel (into `scratch`) followed by cuBLASLt.
+void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
+            int K, bf16* scratch, Gemm& gemm, int num_sms, cudaStream_t s) {
+  GemvArgs g{x, norm_w, eps, W, y, M, N, K};
+  if (gemv(g, in, out, num_sms, s)) return;
+  const bf16* src = x;
+  if (in == GemvIn::kRmsNorm) {
+    rmsnorm(x, norm_w, scratch, M, K, eps, s);
+    src = scratch;
+  } else if (in == GemvIn::kSiluMul) {
+    silu_mul(x, scratch, M, K, s);
+    src = scratch;
+  }
+  gemm.run(src, W, y, M, N, K, out == GemvOut::kAccumulate, out == GemvOut::kF32, s);
+}
+
+}  // namespace
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, const StepMeta& m,
-                   const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, cudaStream_t s) {
+                   const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s) {
   const int T = m.T, H = d.hidden, I = d.intermediate;
+  using In = GemvIn;
+  using Out = GemvOut;
   embedding_lookup(w.embed, m.ids, a.x, T, H, s);
   for (int l = 0; l < d.layers; ++l) {
     const LayerWeights& lw = w.layers[l];
-    rmsnorm(a.x, lw.input_norm, a.h, T, H, d.eps, s);
-    gemm.run(a.h, lw.qkv, a.qkv, T, d.qkv_rows(), H, false, false, s);
+    linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, gemm, num_sms, s);
     qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                           d.eps, s);
     AttnArgs at{};
@@ -33,16 +55,17 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     at.ws_o = a.ws_o;
     at.ws_lse = a.ws_lse;
     paged_attention(at, s);
-    gemm.run(a.attn, lw.o, a.x, T, H, d.heads * d.head_dim, true, false, s);  // x += attn · Woᵀ
-    rmsnorm(a.x, lw.post_norm, a.h, T, H, d.eps, s);
-    gemm.run(a.h, lw.gate_up, a.gu, T, 2 * I, H, false, false, s);
-    silu_mul(a.gu, a.act, T, I, s);
-    gemm.run(a.act, lw.down, a.x, T, H, I, true, false, s);  // x += act · Wdownᵀ
+    // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
+    linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr, gemm,
+           num_sms, s);
+    linear(In::kRmsNorm, Out::kStore, a.x, lw.post_norm, d.eps, lw.gate_up, a.gu, T, 2 * I, H, a.h, gemm, num_sms, s);
+    linear(In::kSiluMul, Out::kAccumulate, a.gu, nullptr, d.eps, lw.down, a.x, T, H, I, a.act, gemm, num_sms, s);
   }
   // Only the rows that sample go through the final norm and the lm_head.
   gather_rows(a.x, m.sample_idx, a.xs, m.S, H, s);
-  rmsnorm(a.xs, w.final_norm, a.hs, m.S, H, d.eps, s);
-  gemm.run(a.hs, w.lm_head, a.logits, m.S, d.vocab, H, false, true, s);
+  if (m.S > 0)
+    linear(In::kRmsNorm, Out::kF32, a.xs, w.final_norm, d.eps, w.lm_head, a.logits, m.S, d.vocab, H, a.hs, gemm,
+           num_sms, s);
   SampleArgs sa{};
   sa.logits = a.logits;
   sa.num_rows = m.S;

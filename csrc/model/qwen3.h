@@ -52,6 +52,6 @@ struct StepMeta {
 };
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
-                   const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, cudaStream_t s);
+                   const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s);
 
 }  // namespace oi

@@ -96,10 +96,13 @@ class CudaBackend:
         self.last_gpu_ms = 0.0
 
     def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
-             temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False) -> StepOutput:
+             temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,
+             force_eager: bool = False) -> StepOutput:
+        """force_eager: run a decode step's bucket without its CUDA graph (tests compare the two)."""
         tokens, lps, top_ids, top_lps, logits, gpu_ms = self.eng.step(
             input_ids, positions, query_start_loc, context_lens, np.atleast_2d(block_tables), slot_mapping,
-            sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs, return_logits)
+            sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs, return_logits,
+            force_eager)
         self.last_gpu_ms = gpu_ms
         return StepOutput(tokens=tokens, logprobs=lps, top_ids=top_ids if num_logprobs else None,
                           top_logprobs=top_lps if num_logprobs else None, logits=logits)
