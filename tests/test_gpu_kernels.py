@@ -255,8 +255,15 @@ def test_random_init_moments():
 GEMV_CASES = {  # (N, K, prologue, epilogue) of each fused projection
     "4b": [(6144, 2560, 1, 0), (2560, 4096, 0, 1), (19456, 2560, 1, 0), (2560, 9728, 2, 1), (V, 2560, 1, 2)],
     "8b": [(6144, 4096, 1, 0), (4096, 4096, 0, 1), (4096, 12288, 2, 1)],
-    "32b": [(10240, 5120, 1, 0), (5120, 8192, 0, 1), (5120, 25600, 2, 1), (V, 5120, 1, 2)],
+    "32b": [(10240, 5120, 1, 0), (5120, 8192, 0, 1), (5120, 25600, 2, 1)],
 }
+_W: dict = {}
+
+
+def _weights(N, K):
+    if (N, K) not in _W:  # drawn once per shape: the tests vary the rows, not the weights
+        _W[(N, K)] = rand_bf16(np.random.default_rng(N + K), (N, K), 1.0 / np.sqrt(K))
+    return _W[(N, K)]
 
 
 def _gemv_ref(x, nw, w, K, pro, y0):
@@ -270,17 +277,17 @@ def _gemv_ref(x, nw, w, K, pro, y0):
 
 
 @pytest.mark.parametrize("model", list(GEMV_CASES))
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 4])
 def test_fused_gemv(model, M):
     rng = np.random.default_rng(M * 31 + len(model))
     for N, K, pro, epi in GEMV_CASES[model]:
         x = rand_bf16(rng, (M, 2 * K if pro == 2 else K), 2.0)
         nw = f32_to_bf16_pos(rng, K) if pro == 1 else None
-        w = rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+        w = _weights(N, K)
         y0 = rand_bf16(rng, (M, N)) if epi == 1 else None
         got = ops().gemv(x, nw, w, M, N, K, pro, epi, y0, 1e-6)
         if got is None:  # staged input too large for shared memory: the engine falls back to cuBLASLt
-            assert M * K * 2 > 200 * 1024, (N, K, M)
+            assert (1 if M == 1 else 2 if M == 2 else 4) * K * 2 > 200 * 1024, (N, K, M)
             continue
         want = _gemv_ref(x, nw, w, K, pro, y0)
         tol = 1e-4 if epi == 2 else TOL["bf16_gemm"]
@@ -291,5 +298,5 @@ def test_fused_gemv(model, M):
 
 def test_fused_gemv_refuses_large_rows():
     rng = np.random.default_rng(0)
-    x = rand_bf16(rng, (9, 256))
-    assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), 9, 64, 256, 0, 0, None, 1e-6) is None
+    x = rand_bf16(rng, (5, 256))
+    assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), 5, 64, 256, 0, 0, None, 1e-6) is None

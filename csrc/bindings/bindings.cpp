@@ -9,6 +9,9 @@
 #include "../kernels/gemv.cuh"
 #include "../kernels/random_init.cuh"
 
+#include <cuda_profiler_api.h>
+
+#include <algorithm>
 #include <cstring>
 
 namespace py = pybind11;
@@ -93,6 +96,9 @@ PYBIND11_MODULE(_engine, m) {
     }
     return n;
   }, "number of visible CUDA devices (0 when there is no driver or GPU)");
+
+  m.def("profiler_start", [] { OI_CUDA_CHECK(cudaProfilerStart()); }, "start the profiler's capture (ncu --profile-from-start off)");
+  m.def("profiler_stop", [] { OI_CUDA_CHECK(cudaProfilerStop()); });
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const py::dict& model, const py::dict& opts) {
@@ -226,6 +232,52 @@ PYBIND11_MODULE(_engine, m) {
     if (!ran) return py::object(py::none());
     if (f32out) return py::object(dy.get<float>({M, N}));
     return py::object(dy.get<uint16_t>({M, N}));
+  });
+  ops.def("bench_linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {
+    // Median time (us) of one linear layer with a cold L2: the weights rotate over >= 256 MB of copies.
+    const size_t wbytes = (size_t)N * K * 2;
+    const int copies = (int)std::max<size_t>(2, (256u << 20) / wbytes + 1);
+    const int xk = in_mode == (int)GemvIn::kSiluMul ? 2 * K : K;
+    Dev w(wbytes * copies), x((size_t)M * xk * 2), nw((size_t)K * 2), y((size_t)M * N * 4), scratch((size_t)M * K * 2);
+    fill_normal(w.as<bf16>(), (int64_t)N * K * copies, 1, 0.f, 0.02f, 0);
+    fill_normal(x.as<bf16>(), (int64_t)M * xk, 2, 0.f, 1.f, 0);
+    fill_normal(nw.as<bf16>(), K, 3, 1.f, 0.1f, 0);
+    fill_normal(y.as<bf16>(), (int64_t)M * N * 2, 4, 0.f, 1.f, 0);
+    cudaDeviceProp prop{};
+    OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    Gemm& gm = ops_gemm();
+    auto run = [&](int i) {
+      const bf16* W = w.as<bf16>() + (size_t)(i % copies) * N * K;
+      if (use_gemv) {
+        GemvArgs g{x.as<bf16>(), nw.as<bf16>(), 1e-6f, W, y.p, M, N, K};
+        if (!gemv(g, (GemvIn)in_mode, (GemvOut)out_mode, prop.multiProcessorCount, 0)) return false;
+      } else {
+        const bf16* src = x.as<bf16>();
+        if (in_mode == (int)GemvIn::kRmsNorm) { rmsnorm(src, nw.as<bf16>(), scratch.as<bf16>(), M, K, 1e-6f, 0); src = scratch.as<bf16>(); }
+        if (in_mode == (int)GemvIn::kSiluMul) { silu_mul(src, scratch.as<bf16>(), M, K, 0); src = scratch.as<bf16>(); }
+        gm.run(src, W, y.p, M, N, K, out_mode == (int)GemvOut::kAccumulate, out_mode == (int)GemvOut::kF32, 0);
+      }
+      return true;
+    };
+    for (int i = 0; i < 3; ++i)
+      if (!run(i)) return -1.0;
+    cudaEvent_t e0, e1;
+    OI_CUDA_CHECK(cudaEventCreate(&e0));
+    OI_CUDA_CHECK(cudaEventCreate(&e1));
+    std::vector<float> t;
+    for (int i = 0; i < reps; ++i) {
+      OI_CUDA_CHECK(cudaEventRecord(e0, 0));
+      run(i + 3);
+      OI_CUDA_CHECK(cudaEventRecord(e1, 0));
+      OI_CUDA_CHECK(cudaEventSynchronize(e1));
+      float ms = 0.f;
+      OI_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+      t.push_back(ms * 1000.f);
+    }
+    cudaEventDestroy(e0);
+    cudaEventDestroy(e1);
+    std::sort(t.begin(), t.end());
+    return (double)t[t.size() / 2];
   });
   ops.def("qk_norm_rope_kv_write",
           [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& qw, const Arr<uint16_t>& kw, const Arr<int32_t>& positions,

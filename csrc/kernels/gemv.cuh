@@ -1,4 +1,4 @@
-// Small-batch GEMM (M <= 8 rows: decode) reading each weight once at full memory bandwidth, with the
+// Small-batch GEMM (M <= 4 rows: decode) reading each weight once at full memory bandwidth, with the
 // neighbouring element-wise work fused so that it costs no extra pass: RMSNorm of the input (prologue),
 // SiLU(gate)·up of the input (prologue), residual add or fp32 output (epilogue).
 //   y[m, n] (+)= sum_k x_eff[m, k] * W[n, k]
@@ -19,9 +19,10 @@ struct GemvArgs {
   int M, N, K;
 };
 
-constexpr int kGemvMaxRows = 8;
+// Above 4 rows the CUDA-core FMAs, not memory, bound this kernel; cuBLASLt's tensor cores win there.
+constexpr int kGemvMaxRows = 4;
 
-// False (and nothing launched) when the shape does not suit the kernel (M > 8, staged input too large);
+// False (and nothing launched) when the shape does not suit the kernel (M > 4, staged input too large);
 // the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
