@@ -7,7 +7,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerWarp = 2;          // weight rows a warp streams together (more loads in flight)
+constexpr int kLoads = 8;                // 16-byte weight loads in flight per lane
 constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
@@ -22,12 +22,10 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   // The weights do not depend on the previous kernel: start pulling this warp's first rows into L2 now,
   // so the memory system is busy while the prologue below runs (it is most of a small layer's time).
   {
-    const int n0 = (blockIdx.x * kWarps + warp) * kRowsPerWarp;
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      if (n0 + r >= a.N) break;
-      const char* row = reinterpret_cast<const char*>(a.W + (int64_t)(n0 + r) * K);
-      for (int off = lane * 128; off < K * 2; off += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
+    const int n = blockIdx.x * kWarps + warp;
+    if (n < a.N) {
+      const char* row = reinterpret_cast<const char*>(a.W + (int64_t)n * K);
+      for (int off = lane * 128; off < K * 2; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
     }
   }
   // Prologue: every block stages the whole (small) input, transformed, in shared memory.
@@ -93,64 +91,58 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   }
   __syncthreads();
 
-  // Main loop: each warp streams kRowsPerWarp weight rows, 16 bytes per lane per load.
+  // Main loop: one weight row per warp at a time; every lane keeps kLoads 16-byte loads in flight, so
+  // that even the smallest projections have enough bytes moving to reach the memory bandwidth.
   const int total_warps = gridDim.x * kWarps;
-  for (int n0 = (blockIdx.x * kWarps + warp) * kRowsPerWarp; n0 < a.N; n0 += total_warps * kRowsPerWarp) {
-    float acc[kRowsPerWarp][MT];
+  for (int n = blockIdx.x * kWarps + warp; n < a.N; n += total_warps) {
+    const bf16* wrow = a.W + (int64_t)n * K;
+    float acc[MT];
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
+    for (int m = 0; m < MT; ++m) acc[m] = 0.f;
+    for (int base = 0; base < K; base += 32 * 8 * kLoads) {
+      uint4 wv[kLoads];
 #pragma unroll
-      for (int m = 0; m < MT; ++m) acc[r][m] = 0.f;
-    const bf16* wrow[kRowsPerWarp];
+      for (int u = 0; u < kLoads; ++u) {
+        const int k = base + (u * 32 + lane) * 8;
+        wv[u] = k < K ? __ldcs(reinterpret_cast<const uint4*>(wrow + k)) : make_uint4(0, 0, 0, 0);  // read once
+      }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) wrow[r] = a.W + (int64_t)min(n0 + r, a.N - 1) * K;
-#pragma unroll 4
-    for (int k = lane * 8; k < K; k += 256) {
-      uint4 wv[kRowsPerWarp];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) wv[r] = __ldcs(reinterpret_cast<const uint4*>(wrow[r] + k));  // read once: stream
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
-        const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
-        float xf[8];
+      for (int u = 0; u < kLoads; ++u) {
+        const int k = base + (u * 32 + lane) * 8;
+        if (k >= K) break;
+        const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
+        float wf[8];
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(xp[j]);
-          xf[2 * j] = f.x;
-          xf[2 * j + 1] = f.y;
+          const float2 f = __bfloat1622float2(wp[j]);
+          wf[2 * j] = f.x;
+          wf[2 * j + 1] = f.y;
         }
 #pragma unroll
-        for (int r = 0; r < kRowsPerWarp; ++r) {
-          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv[r]);
+        for (int m = 0; m < MT; ++m) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(wp[j]);
-            acc[r][m] += f.x * xf[2 * j] + f.y * xf[2 * j + 1];
+            const float2 f = __bfloat1622float2(xp[j]);
+            acc[m] += wf[2 * j] * f.x + wf[2 * j + 1] * f.y;
           }
         }
       }
     }
 #pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-      for (int m = 0; m < MT; ++m)
-        for (int o = 16; o > 0; o >>= 1) acc[r][m] += __shfl_xor_sync(0xffffffffu, acc[r][m], o);
+    for (int m = 0; m < MT; ++m)
+      for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
     if (lane == 0) {
 #pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        const int n = n0 + r;
-        if (n >= a.N) break;
-#pragma unroll
-        for (int m = 0; m < MT; ++m) {
-          if (m >= a.M) break;
-          const int64_t i = (int64_t)m * a.N + n;
-          if (OUT == (int)GemvOut::kF32) {
-            static_cast<float*>(a.y)[i] = acc[r][m];
-          } else {
-            bf16* y = static_cast<bf16*>(a.y);
-            y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? acc[r][m] + __bfloat162float(y[i]) : acc[r][m]);
-          }
+      for (int m = 0; m < MT; ++m) {
+        if (m >= a.M) break;
+        const int64_t i = (int64_t)m * a.N + n;
+        if (OUT == (int)GemvOut::kF32) {
+          static_cast<float*>(a.y)[i] = acc[m];
+        } else {
+          bf16* y = static_cast<bf16*>(a.y);
+          y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? acc[m] + __bfloat162float(y[i]) : acc[m]);
         }
       }
     }
@@ -165,7 +157,7 @@ void launch(const GemvArgs& a, size_t smem, int num_sms, cudaStream_t s) {
     configured = true;
   }
   const int per_sm = std::max(1, std::min(2048 / kThreads, (int)((227 * 1024) / (smem + 1024))));
-  const int need = (a.N + kWarps * kRowsPerWarp - 1) / (kWarps * kRowsPerWarp);
+  const int need = (a.N + kWarps - 1) / kWarps;
   const int grid = std::max(1, std::min(need, num_sms * per_sm));
   gemv_kernel<MT, IN, OUT><<<grid, kThreads, smem, s>>>(a);
   OI_LAUNCH_CHECK("gemv_kernel");
