@@ -2,7 +2,6 @@
 #include <cmath>
 
 #include "attention.cuh"
-#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -36,8 +35,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   __shared__ __align__(16) bf16 sK[2][kAttnTile][kLd];
   __shared__ __align__(16) bf16 sV[2][kAttnTile][kLd];
   __shared__ __align__(16) bf16 sQ[kRows][kD];  // all lanes read one row at a time: broadcast
-  pdl_wait();
-  pdl_release();
 
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z;
@@ -183,8 +180,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
 // Merge the splits of one (token, head): weights 2^(lse_s - max).
 __global__ void attention_merge_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
                                        bf16* __restrict__ out, int num_splits, int T, int nH) {
-  pdl_wait();
-  pdl_release();
   const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
   float mx = kNegInf;
   for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, ws_lse[((int64_t)s * T + t) * nH + h]);
@@ -236,14 +231,14 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
   const int nw = (a.max_rows + kRowsPerWarp - 1) / kRowsPerWarp;
-  if (nw <= 1) launch_pdl(paged_attention_kernel<1>, grid, 32, 0, s, a, scale_log2);
-  else if (nw <= 2) launch_pdl(paged_attention_kernel<2>, grid, 64, 0, s, a, scale_log2);
-  else if (nw <= 4) launch_pdl(paged_attention_kernel<4>, grid, 128, 0, s, a, scale_log2);
-  else launch_pdl(paged_attention_kernel<8>, grid, 256, 0, s, a, scale_log2);
+  if (nw <= 1) paged_attention_kernel<1><<<grid, 32, 0, s>>>(a, scale_log2);
+  else if (nw <= 2) paged_attention_kernel<2><<<grid, 64, 0, s>>>(a, scale_log2);
+  else if (nw <= 4) paged_attention_kernel<4><<<grid, 128, 0, s>>>(a, scale_log2);
+  else paged_attention_kernel<8><<<grid, 256, 0, s>>>(a, scale_log2);
   OI_LAUNCH_CHECK("paged_attention_kernel");
   if (a.num_splits > 1) {
-    launch_pdl(attention_merge_kernel, dim3(a.num_tokens, a.num_heads), 32, 0, s, a.ws_o, a.ws_lse, a.out, a.num_splits,
-               a.num_tokens, a.num_heads);
+    attention_merge_kernel<<<dim3(a.num_tokens, a.num_heads), 32, 0, s>>>(a.ws_o, a.ws_lse, a.out, a.num_splits,
+                                                                           a.num_tokens, a.num_heads);
     OI_LAUNCH_CHECK("attention_merge_kernel");
   }
 }

@@ -1,5 +1,4 @@
 #include "elementwise.cuh"
-#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -12,8 +11,6 @@ struct alignas(16) Vec8 {
 
 __global__ void embedding_kernel(const bf16* __restrict__ table, const int32_t* __restrict__ ids,
                                  bf16* __restrict__ out, int H) {
-  pdl_wait();
-  pdl_release();
   const int t = blockIdx.x;
   const Vec8* src = reinterpret_cast<const Vec8*>(table + (int64_t)ids[t] * H);
   Vec8* dst = reinterpret_cast<Vec8*>(out + (int64_t)t * H);
@@ -39,8 +36,6 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const bf16* __res
                                                                const bf16* __restrict__ w,
                                                                bf16* __restrict__ out, int H, float eps) {
   __shared__ float red[32];
-  pdl_wait();
-  pdl_release();
   const int64_t row = blockIdx.x;
   const Vec8* xr = reinterpret_cast<const Vec8*>(x + row * H);
   const Vec8* wr = reinterpret_cast<const Vec8*>(w);
@@ -80,8 +75,6 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const bf16* __res
 }
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ out, int I) {
-  pdl_wait();
-  pdl_release();
   const int64_t t = blockIdx.y;
   const Vec8* g = reinterpret_cast<const Vec8*>(gu + t * 2 * I);
   const Vec8* u = reinterpret_cast<const Vec8*>(gu + t * 2 * I + I);
@@ -105,14 +98,14 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ 
 void embedding_lookup(const bf16* table, const int32_t* ids, bf16* out, int T, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "embedding_lookup: hidden size " << H << " is not a multiple of 8");
   if (T == 0) return;
-  embedding_kernel<<<T, 128, 0, s>>>(table, ids, out, H);  // first kernel of a step: after the metadata copy
+  embedding_kernel<<<T, 128, 0, s>>>(table, ids, out, H);
   OI_LAUNCH_CHECK("embedding_kernel");
 }
 
 void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "gather_rows: hidden size " << H << " is not a multiple of 8");
   if (R == 0) return;
-  launch_pdl(embedding_kernel, R, 128, 0, s, x, idx, out, H);  // a gather is the same access pattern
+  embedding_kernel<<<R, 128, 0, s>>>(x, idx, out, H);  // a gather is the same access pattern
   OI_LAUNCH_CHECK("gather_rows");
 }
 
@@ -120,7 +113,7 @@ void rmsnorm(const bf16* x, const bf16* w, bf16* out, int T, int H, float eps, c
   OI_CHECK(H % kVec == 0 && H <= kMaxVec * kVec * kNormThreads,
            "rmsnorm: hidden size " << H << " must be a multiple of 8 and at most " << kMaxVec * kVec * kNormThreads);
   if (T == 0) return;
-  launch_pdl(rmsnorm_kernel, T, kNormThreads, 0, s, x, w, out, H, eps);
+  rmsnorm_kernel<<<T, kNormThreads, 0, s>>>(x, w, out, H, eps);
   OI_LAUNCH_CHECK("rmsnorm_kernel");
 }
 
@@ -129,7 +122,7 @@ void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
   if (T == 0) return;
   const int threads = 256;
   dim3 grid((I / kVec + threads - 1) / threads, T);
-  launch_pdl(silu_mul_kernel, grid, threads, 0, s, gu, out, I);
+  silu_mul_kernel<<<grid, threads, 0, s>>>(gu, out, I);
   OI_LAUNCH_CHECK("silu_mul_kernel");
 }
 

@@ -1,7 +1,6 @@
 #include <algorithm>
 
 #include "gemv.cuh"
-#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -29,8 +28,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
       for (int off = lane * 128; off < K * 2; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
     }
   }
-  pdl_wait();  // from here on the previous kernel's outputs are visible
-  pdl_release();
   // Prologue: every block stages the whole (small) input, transformed, in shared memory.
   float rstd[MT];
   if (IN == (int)GemvIn::kRmsNorm) {
@@ -162,7 +159,7 @@ void launch(const GemvArgs& a, size_t smem, int num_sms, cudaStream_t s) {
   const int per_sm = std::max(1, std::min(2048 / kThreads, (int)((227 * 1024) / (smem + 1024))));
   const int need = (a.N + kWarps - 1) / kWarps;
   const int grid = std::max(1, std::min(need, num_sms * per_sm));
-  launch_pdl(gemv_kernel<MT, IN, OUT>, grid, kThreads, smem, s, a);
+  gemv_kernel<MT, IN, OUT><<<grid, kThreads, smem, s>>>(a);
   OI_LAUNCH_CHECK("gemv_kernel");
 }
 

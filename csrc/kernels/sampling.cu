@@ -1,6 +1,5 @@
 #include <cfloat>
 
-#include "pdl.cuh"
 #include "sampling.cuh"
 
 namespace oi {
@@ -113,8 +112,6 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
   __shared__ float hist[256];
   __shared__ uint32_t sprefix;
   __shared__ float srem;
-  pdl_wait();
-  pdl_release();
   const int row = blockIdx.x;
   const float* l = a.logits + (int64_t)row * a.vocab;
   const int V = a.vocab;
@@ -176,7 +173,7 @@ void sample(const SampleArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_logprobs >= 0 && a.num_logprobs <= kMaxLogprobs,
            "sample: num_logprobs " << a.num_logprobs << " outside 0.." << kMaxLogprobs);
   if (a.num_rows == 0) return;
-  launch_pdl(sample_kernel, a.num_rows, kThreads, 0, s, a);
+  sample_kernel<<<a.num_rows, kThreads, 0, s>>>(a);
   OI_LAUNCH_CHECK("sample_kernel");
 }
 
