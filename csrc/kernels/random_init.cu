@@ -1,18 +1,10 @@
 #include <algorithm>
 
+#include "hash.cuh"
 #include "random_init.cuh"
 
 namespace oi {
 namespace {
-
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
 
 __device__ __forceinline__ float unit(uint64_t h) { return ((float)(h >> 40) + 0.5f) * 5.9604644775390625e-08f; }
 

@@ -1,20 +1,12 @@
 #include <cfloat>
 
+#include "hash.cuh"
 #include "sampling.cuh"
 
 namespace oi {
 namespace {
 
 constexpr int kThreads = 1024;
-
-__device__ __forceinline__ uint64_t mix64(uint64_t x) {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ull;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  return x;
-}
 
 __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
   const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + (uint64_t)(pos + 1) * 0xD1B54A32D192ED03ull + (uint64_t)i);

@@ -66,6 +66,14 @@ def _internal(msg: str) -> APIError:
     return APIError(500, msg, type="server_error", code="internal_error")
 
 
+def _stream_error(e: Exception) -> str:
+    """An error after the SSE headers went out is reported in-band rather than cutting the stream."""
+    if isinstance(e, EngineStepError):
+        return _sse(_internal(str(e)).body())
+    log.exception("stream failed")
+    return _sse(_internal(f"internal error: {type(e).__name__}").body())
+
+
 async def _read_json(request: Request, limit: int) -> Any:
     cl = request.headers.get("content-length", "")
     if cl.isdigit() and int(cl) > 4 * limit:  # not worth draining: refuse and drop the connection
@@ -397,11 +405,8 @@ async def completions(st: ServerState, request: Request) -> Response:
                         timers[idx].finish()
                 if req.gen.include_usage:
                     yield _sse(chunk([], _usage(n_prompt, n_gen)))
-            except EngineStepError as e:
-                yield _sse(_internal(str(e)).body())
-            except Exception as e:  # headers are out: report in-band rather than cut the stream
-                log.exception("stream failed")
-                yield _sse(_internal(f"internal error: {type(e).__name__}").body())
+            except Exception as e:
+                yield _stream_error(e)
             yield "data: [DONE]\n\n"
         return SSEResponse(events(), group.close)
 
@@ -496,11 +501,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                         yield _sse(chunk({}, fr=finish_reason(u.finish_reason)))
                 if req.gen.include_usage:
                     yield _sse(chunk(None, usage=_usage(len(ids), n_gen), choices=False))
-            except EngineStepError as e:
-                yield _sse(_internal(str(e)).body())
-            except Exception as e:  # headers are out: report in-band rather than cut the stream
-                log.exception("stream failed")
-                yield _sse(_internal(f"internal error: {type(e).__name__}").body())
+            except Exception as e:
+                yield _stream_error(e)
             yield "data: [DONE]\n\n"
         return SSEResponse(events(), group.close)
 
