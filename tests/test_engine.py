@@ -147,3 +147,14 @@ def test_cuda_without_gpu_fails_clearly(tiny_dir):
         Engine(str(tiny_dir), device="cuda")
     msg = str(e.value)
     assert ("cuda" in msg.lower() or "gpu" in msg.lower()) and "\n" not in msg.strip()
+
+
+def test_step_timing_reported(engine):
+    """stats() carries wall and device time per step (the reference backend reports no GPU time)."""
+    before = engine.llm_engine.stats()
+    engine.generate(["Hello"], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    s = engine.llm_engine.stats()
+    assert s["steps"] >= before["steps"] + 3
+    assert s["step_wall_seconds"] > before["step_wall_seconds"]
+    assert s["last_step_wall_ms"] > 0 and s["last_step_gpu_ms"] == 0.0
+    assert s["last_step_host_ms"] == s["last_step_wall_ms"]

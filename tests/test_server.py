@@ -122,6 +122,9 @@ def test_completion_non_stream_usage_and_max_tokens(server, client):
     assert r.usage.completion_tokens == 7
     assert r.usage.prompt_tokens == len(tokenize(server, prompt="The capital of France is"))
     assert r.usage.total_tokens == r.usage.prompt_tokens + 7
+    # step timing: wall time inside steps accrues; host time = wall - GPU (CUDA events) is exported
+    assert metric(server.url, "openinfer_step_wall_seconds_total") > 0
+    assert metric(server.url, "openinfer_last_step_host_ms") >= 0
 
 
 def test_completion_stream_matches_non_stream(server, client):

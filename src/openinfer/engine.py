@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import time
 import logging
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -28,6 +29,7 @@ class LLMEngine:
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_model_dir(config.model_path)
         self.backend = self._make_backend()
+        self._timing = dict(steps=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -76,14 +78,27 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestUpdate]:
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
         out = self.runner.run(batch)
-        return self.scheduler.postprocess(batch, out)
+        updates = self.scheduler.postprocess(batch, out)
+        # Host time per step next to device time per step: the share of a step the GPU waits on Python.
+        wall = time.perf_counter() - t0
+        gpu = getattr(self.backend, "last_gpu_ms", 0.0) / 1e3
+        self._timing["steps"] += 1
+        self._timing["wall_s"] += wall
+        self._timing["gpu_s"] += gpu
+        self._timing["last_wall_ms"], self._timing["last_gpu_ms"] = wall * 1e3, gpu * 1e3
+        return updates
 
     def stats(self) -> dict:
-        return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size)
+        t = self._timing
+        return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size,
+                    steps=t["steps"], step_wall_seconds=t["wall_s"], step_gpu_seconds=t["gpu_s"],
+                    last_step_wall_ms=t["last_wall_ms"], last_step_gpu_ms=t["last_gpu_ms"],
+                    last_step_host_ms=t["last_wall_ms"] - t["last_gpu_ms"])
 
 
 @dataclass

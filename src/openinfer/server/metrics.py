@@ -12,26 +12,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
-# stats() keys (several spellings accepted, so the engine can name them as it likes)
-_KEYS = {
-    "running": ("running", "num_running"),
-    "waiting": ("waiting", "num_waiting"),
-    "kv_used": ("kv_blocks_used", "num_used_blocks", "used_blocks"),
-    "kv_free": ("kv_blocks_free", "num_free_blocks", "free_blocks"),
-    "hit": ("prefix_cache_hit_tokens", "prefix_hit_tokens"),
-    "query": ("prefix_cache_queried_tokens", "prefix_cache_query_tokens"),
-    "cached": ("kv_blocks_cached",),
-    "promised": ("kv_blocks_promised",),
-    "prompt": ("prompt_tokens", "prompt_tokens_total", "num_prompt_tokens"),
-    "gen": ("generation_tokens", "generation_tokens_total", "num_generation_tokens"),
-}
-
-
 def stat(stats: dict, key: str, default: float = 0) -> float:
-    for k in _KEYS[key]:
-        if k in stats and stats[k] is not None:
-            return stats[k]
-    return default
+    v = stats.get(key)
+    return default if v is None else v
 
 
 class _EngineCollector:
@@ -51,25 +34,31 @@ class _EngineCollector:
             c.add_metric(lab, float(value))
             return c
 
-        hit, query = stat(s, "hit"), stat(s, "query")
+        hit, query = stat(s, "prefix_cache_hit_tokens"), stat(s, "prefix_cache_queried_tokens")
         yield gauge("openinfer_engine_alive", "1 while the engine loop thread runs", self.ae.alive)
-        yield gauge("openinfer_num_requests_running", "Requests in the decode batch", stat(s, "running"))
-        yield gauge("openinfer_num_requests_waiting", "Requests waiting for admission", stat(s, "waiting"))
-        yield gauge("openinfer_kv_blocks_used", "KV-cache blocks held by requests", stat(s, "kv_used"))
+        yield gauge("openinfer_num_requests_running", "Requests in the decode batch", stat(s, "num_running"))
+        yield gauge("openinfer_num_requests_waiting", "Requests waiting for admission", stat(s, "num_waiting"))
+        yield gauge("openinfer_kv_blocks_used", "KV-cache blocks held by requests", stat(s, "kv_blocks_used"))
         yield gauge("openinfer_kv_blocks_free", "KV-cache blocks free (cached-free included)",
-                    stat(s, "kv_free"))
+                    stat(s, "kv_blocks_free"))
         yield gauge("openinfer_kv_blocks_cached", "Free KV blocks still holding a cached prefix",
-                    stat(s, "cached"))
+                    stat(s, "kv_blocks_cached"))
         yield gauge("openinfer_kv_blocks_promised", "KV blocks reserved for admitted requests, "
-                    "not yet allocated", stat(s, "promised"))
+                    "not yet allocated", stat(s, "kv_blocks_promised"))
         yield gauge("openinfer_prefix_cache_hit_rate", "Prefix-cache hit tokens / query tokens",
                     hit / query if query else 0.0)
         yield counter("openinfer_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache", hit)
         yield counter("openinfer_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache",
                       query)
-        yield counter("openinfer_prompt_tokens", "Prompt tokens processed", stat(s, "prompt"))
-        yield counter("openinfer_generation_tokens", "Tokens generated", stat(s, "gen"))
+        yield counter("openinfer_prompt_tokens", "Prompt tokens processed", stat(s, "prompt_tokens"))
+        yield counter("openinfer_generation_tokens", "Tokens generated", stat(s, "generation_tokens"))
         yield counter("openinfer_engine_steps", "Engine steps run", self.ae.step_count)
+        yield counter("openinfer_step_wall_seconds", "Wall time inside engine steps", stat(s, "step_wall_seconds"))
+        yield counter("openinfer_step_gpu_seconds", "GPU time of engine steps (CUDA events)",
+                      stat(s, "step_gpu_seconds"))
+        yield gauge("openinfer_last_step_host_ms", "Host (Python + copies) time of the last step: wall minus GPU",
+                    stat(s, "last_step_host_ms"))
+        yield gauge("openinfer_last_step_gpu_ms", "GPU time of the last step", stat(s, "last_step_gpu_ms"))
 
 
 class Metrics:
