@@ -112,3 +112,14 @@ def test_logprobs_top_n():
     assert ids.tolist() == [[1, 2, 0]]
     np.testing.assert_allclose(np.exp(lp).sum(), 1.0, rtol=1e-6)
     np.testing.assert_allclose(vals[0], lp[0, [1, 2, 0]])
+
+
+def test_params_normalised_so_no_request_can_fail_a_batch():
+    from openinfer import SamplingParams
+    assert SamplingParams(top_k=2**63).top_k == 0  # beyond any vocabulary: off (and fits int32)
+    assert SamplingParams(top_k=-1).top_k == 0
+    assert SamplingParams(temperature=1e-30).temperature == 0.0  # 1/t would overflow float32: greedy
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=1e308)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=float("inf"))

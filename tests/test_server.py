@@ -394,6 +394,8 @@ OK_CH = {"model": NAME, "messages": USER, "max_tokens": 2}
 BAD = [  # (path, body or raw bytes, status, param)
     (C, b"{not json", 400, None),
     (C, b"\xff\xfe", 400, None),
+    (C, b'{"model": "\\ud800", "prompt": "a"}', 400, None),  # a lone surrogate is not text
+    (C, b'{"model": "qwen3-test", "prompt": "a", "temperature": NaN}', 400, None),
     (C, [1, 2], 400, None),
     (C, {"model": NAME}, 400, "prompt"),
     (C, dict(OK_C, prompt=123), 400, "prompt"),
@@ -484,6 +486,9 @@ def test_auth_size_routes_and_health_after_bad_input(server, client):
     assert r.status_code == 405 and "error" in r.json()
     # unknown extra fields are ignored, as OpenAI does; "off" values of unsupported ones pass
     r = post(server, C, dict(OK_C, some_future_field={"x": 1}, frequency_penalty=0, user="u"))
+    assert r.status_code == 200, r.text
+    # a top_k beyond any vocabulary means "off"; it must not fail the engine step (and its batch)
+    r = post(server, C, dict(OK_C, top_k=2**63, temperature=1.0, seed=1))
     assert r.status_code == 200, r.text
     assert httpx.get(server.url + "/health").status_code == 200
     assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).choices

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_TEMPERATURE = 1e4
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
@@ -22,12 +24,16 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ValueError(f"max_tokens must be a positive int or None, got {self.max_tokens!r}")
-        if not _is_num(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not _is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature!r}")
+        if self.temperature < GREEDY_BELOW:  # 1/temperature would overflow float32: it is greedy anyway
+            self.temperature = 0.0
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
+        if self.top_k <= 0 or self.top_k >= 2**31:  # off; a k beyond any vocabulary keeps everything too
+            self.top_k = 0
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**64):
             raise ValueError(f"seed must be an int in [0, 2**64) or None, got {self.seed!r}")
         if self.stop is None:

@@ -89,9 +89,17 @@ async def _read_json(request: Request, limit: int) -> Any:
     if size > limit:
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
     try:
-        return json.loads(b"".join(chunks))
-    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
+        body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
+        # "\ud800"-style escapes decode to lone surrogates, which are not text: refuse them here, once,
+        # rather than fail later wherever the string is encoded (tokenizer, an error message echoing it)
+        json.dumps(body, ensure_ascii=False).encode("utf-8")
+        return body
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecode/EncodeError, NaN
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _check_model(st: ServerState, model: str | None) -> None:
