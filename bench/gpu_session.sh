@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# One device call that builds nothing (carry the cp312 wheel in .whl/, see docs/development.md) and
+# runs the chosen stages, logs and JSON to $OUT (at most 8 files come back: keep STAGES short).
+#
+#   STAGES="kernels graphs model server bench" bash bench/gpu_session.sh
+#
+# Stages: kernels (tests/test_gpu_kernels.py), graphs (graph == eager, 32B random load),
+# model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
+# CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the PyTorch peer in the same call),
+# kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), footprint.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+source "$(dirname "$0")/device_setup.sh" || exit 1
+export OPENINFER_TEST_CACHE=${OPENINFER_TEST_CACHE:-/tmp/ckpt} OPENINFER_TEST_REPORT=$OUT
+export PYTHONPATH=$PYTHONPATH:$PWD/bench
+CKPT4B=$OPENINFER_TEST_CACHE/openinfer-ckpt/qwen3-4b
+need_4b() { [ -f "$CKPT4B/config.json" ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out "$CKPT4B"; }
+for stage in ${STAGES:-kernels graphs model server bench}; do
+  echo "== $stage"
+  case $stage in
+    kernels) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tail -3 ;;
+    graphs) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_random32b.py 2>&1 | tail -3 ;;
+    model) python3 -m pytest -q -rxX -s -p no:cacheprovider tests/test_gpu_model.py 2>&1 | tee "$OUT/model.log" |
+             grep -E "rel err|identical to HF|passed|failed|XFAIL" ;;
+    server) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
+              python3 -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_server_tools.py 2>&1 | tail -3 ;;
+    bench) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --out "$OUT/engine_4b.json" | tail -6
+           python3 bench/bench_engine.py --preset qwen3-8b,qwen3-32b --batches 1 --out "$OUT/engine_8b_32b.json" | tail -5
+           [ -f .peers/torch_peer.py ] && python3 .peers/torch_peer.py 4b 1024 1,8,32,64 | tee "$OUT/torch_peer.log" ;;
+    kbench) python3 bench/bench_kernels.py --out "$OUT/kernels.json" ;;
+    sweep) need_4b && POINT_SECONDS=${POINT_SECONDS:-8} SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b \
+             bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/sweep" | tail -16 ;;
+    footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
+                 --json "$OUT/footprint.json" | tail -3 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
