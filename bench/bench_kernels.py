@@ -9,10 +9,10 @@ import argparse
 import json
 
 BW = 4.21e12  # measured device-to-device copy rate of the lent H200 (BENCHMARKS.md)
-SHAPES = {  # name: (N, K, prologue, epilogue)
-    "4b.qkv": (6144, 2560, 1, 0), "4b.o": (2560, 4096, 0, 1), "4b.gate_up": (19456, 2560, 1, 0),
-    "4b.down": (2560, 9728, 2, 1), "4b.lm_head": (151936, 2560, 1, 2),
-    "32b.gate_up": (51200, 5120, 1, 0), "32b.down": (5120, 25600, 2, 1),
+SHAPES = {  # name: (N, K, prologue, epilogue); prologue 1 = RMSNorm; epilogue 1 = residual add, 2 = fp32, 3 = SiLU·up
+    "4b.qkv": (6144, 2560, 1, 0), "4b.o": (2560, 4096, 0, 1), "4b.gate_up": (19456, 2560, 1, 3),
+    "4b.down": (2560, 9728, 0, 1), "4b.lm_head": (151936, 2560, 1, 2),
+    "32b.gate_up": (51200, 5120, 1, 3), "32b.down": (5120, 25600, 0, 1),
 }
 
 

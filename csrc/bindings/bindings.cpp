@@ -215,7 +215,8 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("gemv", [](const Arr<uint16_t>& x, py::object norm_w, const Arr<uint16_t>& w, int M, int N, int K, int in_mode,
                      int out_mode, py::object y_init, float eps) {
     const bool f32out = out_mode == (int)GemvOut::kF32;
-    const size_t ob = (size_t)M * N * (f32out ? 4 : 2);
+    const int ncols = out_mode == (int)GemvOut::kSiluMul ? N / 2 : N;
+    const size_t ob = (size_t)M * ncols * (f32out ? 4 : 2);
     Dev dx(x), dw(w), dy(ob);
     std::unique_ptr<Dev> dn;
     if (!norm_w.is_none()) dn = std::make_unique<Dev>(norm_w.cast<Arr<uint16_t>>());
@@ -230,17 +231,17 @@ PYBIND11_MODULE(_engine, m) {
     const bool ran = gemv(g, (GemvIn)in_mode, (GemvOut)out_mode, prop.multiProcessorCount, 0);
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     if (!ran) return py::object(py::none());
-    if (f32out) return py::object(dy.get<float>({M, N}));
-    return py::object(dy.get<uint16_t>({M, N}));
+    if (f32out) return py::object(dy.get<float>({M, ncols}));
+    return py::object(dy.get<uint16_t>({M, ncols}));
   });
   ops.def("bench_linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {
     // Median time (us) of one linear layer with a cold L2: the weights rotate over >= 256 MB of copies.
     const size_t wbytes = (size_t)N * K * 2;
     const int copies = (int)std::max<size_t>(2, (256u << 20) / wbytes + 1);
-    const int xk = in_mode == (int)GemvIn::kSiluMul ? 2 * K : K;
-    Dev w(wbytes * copies), x((size_t)M * xk * 2), nw((size_t)K * 2), y((size_t)M * N * 4), scratch((size_t)M * K * 2);
+    Dev w(wbytes * copies), x((size_t)M * K * 2), nw((size_t)K * 2), y((size_t)M * N * 4), scratch((size_t)M * K * 2),
+        gu((size_t)M * N * 2);
     fill_normal(w.as<bf16>(), (int64_t)N * K * copies, 1, 0.f, 0.02f, 0);
-    fill_normal(x.as<bf16>(), (int64_t)M * xk, 2, 0.f, 1.f, 0);
+    fill_normal(x.as<bf16>(), (int64_t)M * K, 2, 0.f, 1.f, 0);
     fill_normal(nw.as<bf16>(), K, 3, 1.f, 0.1f, 0);
     fill_normal(y.as<bf16>(), (int64_t)M * N * 2, 4, 0.f, 1.f, 0);
     cudaDeviceProp prop{};
@@ -254,8 +255,12 @@ PYBIND11_MODULE(_engine, m) {
       } else {
         const bf16* src = x.as<bf16>();
         if (in_mode == (int)GemvIn::kRmsNorm) { rmsnorm(src, nw.as<bf16>(), scratch.as<bf16>(), M, K, 1e-6f, 0); src = scratch.as<bf16>(); }
-        if (in_mode == (int)GemvIn::kSiluMul) { silu_mul(src, scratch.as<bf16>(), M, K, 0); src = scratch.as<bf16>(); }
-        gm.run(src, W, y.p, M, N, K, out_mode == (int)GemvOut::kAccumulate, out_mode == (int)GemvOut::kF32, 0);
+        if (out_mode == (int)GemvOut::kSiluMul) {
+          gm.run(src, W, gu.p, M, N, K, false, false, 0);
+          silu_mul(gu.as<bf16>(), y.as<bf16>(), M, N / 2, 0);
+        } else {
+          gm.run(src, W, y.p, M, N, K, out_mode == (int)GemvOut::kAccumulate, out_mode == (int)GemvOut::kF32, 0);
+        }
       }
       return true;
     };
@@ -317,6 +322,8 @@ PYBIND11_MODULE(_engine, m) {
             Dev dq(qkv), dc(cache), dbt(block_tables), dpos(positions), dctx(context_lens);
             Dev dwork(work.size() * sizeof(AttnWork)), dout((size_t)T * num_heads * D * 2);
             Dev dwo((size_t)num_splits * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
+            Dev dcnt(work.size() * num_kv_heads * sizeof(int));
+            OI_CUDA_CHECK(cudaMemset(dcnt.p, 0, work.size() * num_kv_heads * sizeof(int)));
             OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
             AttnArgs a{};
             a.q = dq.as<bf16>();
@@ -337,8 +344,12 @@ PYBIND11_MODULE(_engine, m) {
             a.out = dout.as<bf16>();
             a.ws_o = dwo.as<float>();
             a.ws_lse = dwl.as<float>();
+            a.counters = dcnt.as<int>();
             paged_attention(a, 0);
             OI_CUDA_CHECK(cudaDeviceSynchronize());
+            std::vector<int> cnt(work.size() * num_kv_heads);
+            OI_CUDA_CHECK(cudaMemcpy(cnt.data(), dcnt.p, cnt.size() * sizeof(int), cudaMemcpyDeviceToHost));
+            for (int v : cnt) OI_CHECK(v == 0, "paged_attention left a split counter at " << v);
             return py::make_tuple(dout.get<uint16_t>({T, num_heads * D}), num_splits);
           });
   ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,

@@ -174,6 +174,9 @@ int64_t Engine::finalize() {
   act_.logits = static_cast<float*>(alloc(S * d_.vocab * sizeof(float), &act_bytes_));
   act_.ws_o = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * d_.head_dim * sizeof(float), &act_bytes_));
   act_.ws_lse = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * sizeof(float), &act_bytes_));
+  const size_t counter_bytes = (size_t)(T + S + 1) * d_.kv_heads * sizeof(int);  // work items <= T + S + 1
+  act_.attn_counters = static_cast<int*>(alloc(counter_bytes, &act_bytes_));
+  OI_CUDA_CHECK(cudaMemset(act_.attn_counters, 0, counter_bytes));
 
   const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;
   meta_in_bytes_ = align_up(3 * T * 4) + align_up(B_cap_bytes(S)) + align_up(S * max_blocks_per_seq * 4) +

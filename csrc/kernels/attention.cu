@@ -7,240 +7,306 @@ namespace oi {
 namespace {
 
 constexpr int kD = 128;
-constexpr int kRowsPerWarp = 4;
-constexpr int kPad = 8;              // bf16 of padding per smem row: 16-byte reads stay conflict-free
-constexpr int kLd = kD + kPad;
+constexpr int kLd = kD + 8;  // padded smem row (272 B): fragment loads and ldmatrix stay conflict-free
 constexpr float kNegInf = -INFINITY;
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  // src-size 0 zero-fills: keys past the range (and pages that do not exist) become finite zeros
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ float warp_max(float v) {
-  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
+// D += A(16x16, bf16, row) * B(16x8, bf16, col), fp32 accumulate.
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
 }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+__device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
 
-template <int NW>
+// A block serves one work item x one KV head x one key split. Each warp owns 16 query rows
+// (row r = token r / group, head r % group of this KV head); all warps share every K/V tile of KT keys.
+// Scores and P.V run on tensor cores (m16n8k16); softmax is online, in the log2 domain.
+template <int NW, int KT>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
-  constexpr int kRows = NW * kRowsPerWarp;
-  __shared__ __align__(16) bf16 sK[2][kAttnTile][kLd];
-  __shared__ __align__(16) bf16 sV[2][kAttnTile][kLd];
-  __shared__ __align__(16) bf16 sQ[kRows][kD];  // all lanes read one row at a time: broadcast
+  constexpr int kRows = 16 * NW, kThreads = NW * 32, kNT = KT / 8;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16(*sQ)[kLd] = reinterpret_cast<bf16(*)[kLd]>(smem_raw);
+  bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
+  bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + 2 * KT) * kLd * 2);
+  __shared__ int s_last;
 
   const AttnWork w = a.work[blockIdx.x];
-  const int kvh = blockIdx.y, split = blockIdx.z;
+  const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
   const int group = a.num_heads / a.kv.num_kv_heads;
   const int rows = w.num_tok * group;
   const int ctx = a.context_lens[w.seq];
-  const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;  // causal bound of the last token
-  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnTile - 1) / kAttnTile * kAttnTile;
+  const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;  // causal bound of the item's last token
+  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-
-  // Query rows: row r is token tok_start + r / group, head kvh * group + r % group.
-  for (int i = threadIdx.x; i < rows * (kD / 8); i += NW * 32) {
-    const int r = i / (kD / 8), c = (i % (kD / 8)) * 8;
-    const int t = w.tok_start + r / group, h = kvh * group + r % group;
-    *reinterpret_cast<uint4*>(&sQ[r][c]) = *reinterpret_cast<const uint4*>(a.q + (int64_t)t * a.q_stride + h * kD + c);
-  }
 
   const int32_t* bt = a.block_tables + (int64_t)w.seq * a.bt_stride;
   const int64_t head_off = (int64_t)kvh * a.kv.block_size * kD;
   const int64_t v_off = (int64_t)a.kv.num_kv_heads * a.kv.block_size * kD;
+  const bf16* layer_base = a.kv_cache + a.layer * a.kv.layer_stride() + head_off;
+  // A tile is KT/16 pages; one page of one head is 16 keys x 128 dims, contiguous (4 KB) for K and for V.
   auto load_tile = [&](int stage, int k0) {
-    // 32 keys = two 16-token pages; each page's K (and V) for one head is 4 KB contiguous.
-    for (int i = threadIdx.x; i < 2 * kAttnTile * (kD / 8); i += NW * 32) {
-      const int is_v = i >= kAttnTile * (kD / 8);
-      const int j = i % (kAttnTile * (kD / 8));
-      const int key = j / (kD / 8), c = (j % (kD / 8)) * 8;
-      if (k0 + key < hi) {
-        const int page = bt[(k0 + key) / a.kv.block_size];
-        const bf16* src = a.kv_cache + page * a.kv.block_stride() + a.layer * a.kv.layer_stride() +
-                          (is_v ? v_off : 0) + head_off + ((k0 + key) % a.kv.block_size) * kD + c;
-        cp_async16(is_v ? &sV[stage][key][c] : &sK[stage][key][c], src);
-      }
+    constexpr int kChunks = KT / 16 * 2 * 256;  // pages x {K,V} x 16-byte chunks per page
+#pragma unroll
+    for (int i = tid; i < kChunks; i += kThreads) {
+      const int pg = i >> 9, rem = i & 511, is_v = rem >> 8, e = rem & 255;
+      const int key = pg * 16 + (e >> 4), col = (e & 15) * 8;
+      const bool valid = k0 + key < hi;
+      const int page = valid ? bt[(k0 >> 4) + pg] : 0;
+      const bf16* src = layer_base + (int64_t)page * a.kv.block_stride() + (is_v ? v_off : 0) + (e >> 4) * kD + col;
+      cp_async16(is_v ? &sV[stage][key][col] : &sK[stage][key][col], valid ? src : a.kv_cache, valid);
     }
     cp_async_commit();
   };
 
-  float m[kRowsPerWarp], l[kRowsPerWarp], o[kRowsPerWarp][4];
-  int pos[kRowsPerWarp];
-#pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    m[rr] = kNegInf;
-    l[rr] = 0.f;
-    o[rr][0] = o[rr][1] = o[rr][2] = o[rr][3] = 0.f;
-    const int r = warp * kRowsPerWarp + rr;
-    pos[rr] = r < rows ? a.positions[w.tok_start + r / group] : -1;  // -1: inactive row, masks every key
-  }
-  const bool warp_active = warp * kRowsPerWarp < rows;
-
   if (lo < hi) load_tile(0, lo);
+  for (int i = tid; i < kRows * (kD / 8); i += kThreads) {
+    const int r = i / (kD / 8), col = (i % (kD / 8)) * 8;
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (r < rows) {
+      const int t = w.tok_start + r / group, h = kvh * group + r % group;
+      v = *reinterpret_cast<const uint4*>(a.q + (int64_t)t * a.q_stride + h * kD + col);
+    }
+    *reinterpret_cast<uint4*>(&sQ[r][col]) = v;
+  }
+  // This thread's two rows (g and g + 8 of the warp): -1 masks every key (rows past the item).
+  int pos[2];
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int r = warp * 16 + g + 8 * h2;
+    pos[h2] = r < rows ? a.positions[w.tok_start + r / group] : -1;
+  }
+  const bool warp_active = warp * 16 < rows;
+  __syncthreads();
+  uint32_t qf[kD / 16][4];
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    const int r0 = warp * 16 + g, d0 = ks * 16 + 2 * c;
+    qf[ks][0] = lds32(&sQ[r0][d0]);
+    qf[ks][1] = lds32(&sQ[r0 + 8][d0]);
+    qf[ks][2] = lds32(&sQ[r0][d0 + 8]);
+    qf[ks][3] = lds32(&sQ[r0 + 8][d0 + 8]);
+  }
+
+  float o[kD / 8][4];
+#pragma unroll
+  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+
   int stage = 0;
-  for (int k0 = lo; k0 < hi; k0 += kAttnTile, stage ^= 1) {
-    if (k0 + kAttnTile < hi) {
-      load_tile(stage ^ 1, k0 + kAttnTile);
+  for (int k0 = lo; k0 < hi; k0 += KT, stage ^= 1) {
+    if (k0 + KT < hi) {
+      load_tile(stage ^ 1, k0 + KT);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
     __syncthreads();
     if (warp_active) {
-      const int key = k0 + lane;
-      float s[kRowsPerWarp] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll 4
-      for (int d = 0; d < kD; d += 8) {
-        const uint4 kr = *reinterpret_cast<const uint4*>(&sK[stage][lane][d]);
-        const __nv_bfloat162* kp = reinterpret_cast<const __nv_bfloat162*>(&kr);
-        float kf[8];
+      float s[kNT][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(kp[j]);
-          kf[2 * j] = f.x;
-          kf[2 * j + 1] = f.y;
+      for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll
+      for (int ks = 0; ks < kD / 16; ++ks)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const bf16* kr = &sK[stage][nt * 8 + g][ks * 16 + 2 * c];
+          mma16816(s[nt], qf[ks], lds32(kr), lds32(kr + 8));
         }
+      // mask, scale and the row max (a row's 16 values per tile live in one quad of lanes)
+      float mx[2] = {kNegInf, kNegInf};
 #pragma unroll
-        for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-          const uint4 qr = *reinterpret_cast<const uint4*>(&sQ[warp * kRowsPerWarp + rr][d]);
-          const __nv_bfloat162* qp = reinterpret_cast<const __nv_bfloat162*>(&qr);
+      for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 q = __bfloat1622float2(qp[j]);
-            s[rr] += q.x * kf[2 * j] + q.y * kf[2 * j + 1];
+        for (int e = 0; e < 4; ++e) {
+          const int key = k0 + nt * 8 + 2 * c + (e & 1), h2 = e >> 1;
+          const float v = (key < hi && key <= pos[h2]) ? s[nt][e] * scale_log2 : kNegInf;
+          s[nt][e] = v;
+          mx[h2] = fmaxf(mx[h2], v);
+        }
+      float alpha[2], base[2];
+#pragma unroll
+      for (int h2 = 0; h2 < 2; ++h2) {
+        mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xffffffffu, mx[h2], 1));
+        mx[h2] = fmaxf(mx[h2], __shfl_xor_sync(0xffffffffu, mx[h2], 2));
+        const float m_new = fmaxf(m[h2], mx[h2]);
+        base[h2] = m_new == kNegInf ? 0.f : m_new;  // nothing visible yet: every p is 0, keep the state
+        alpha[h2] = exp2f(m[h2] - base[h2]);
+        m[h2] = m_new;
+        l[h2] *= alpha[h2];
+      }
+#pragma unroll
+      for (int i = 0; i < kD / 8; ++i) {
+        o[i][0] *= alpha[0];
+        o[i][1] *= alpha[0];
+        o[i][2] *= alpha[1];
+        o[i][3] *= alpha[1];
+      }
+      // P (bf16) reuses the score fragments as the A operand of P.V: keys 16t..16t+15 are n-tiles 2t, 2t+1.
+#pragma unroll
+      for (int t = 0; t < KT / 16; ++t) {
+        uint32_t pa[4];
+        float p[2][4];
+#pragma unroll
+        for (int j = 0; j < 2; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            p[j][e] = exp2f(s[2 * t + j][e] - base[e >> 1]);
+            l[e >> 1] += p[j][e];
           }
-        }
-      }
-      float p[kRowsPerWarp];
+        pa[0] = pack_bf16(p[0][0], p[0][1]);
+        pa[1] = pack_bf16(p[0][2], p[0][3]);
+        pa[2] = pack_bf16(p[1][0], p[1][1]);
+        pa[3] = pack_bf16(p[1][2], p[1][3]);
+        // V is [key][dim] in smem: ldmatrix.trans yields the col-major B fragments of two dim n-tiles.
+        const int vr = 16 * t + (lane & 7) + ((lane >> 3) & 1) * 8, vc = (lane >> 4) * 8;
 #pragma unroll
-      for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-        const float sv = (key < hi && key <= pos[rr]) ? s[rr] * scale_log2 : kNegInf;
-        const float m_new = fmaxf(m[rr], warp_max(sv));
-        if (m_new == kNegInf) {  // nothing visible yet for this row
-          p[rr] = 0.f;
-          continue;
-        }
-        p[rr] = exp2f(sv - m_new);
-        const float alpha = exp2f(m[rr] - m_new);
-        l[rr] = l[rr] * alpha + warp_sum(p[rr]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) o[rr][i] *= alpha;
-        m[rr] = m_new;
-      }
-      const int nvalid = min(kAttnTile, hi - k0);  // never touch slots past the range (may be uninitialised)
-      for (int j = 0; j < nvalid; ++j) {
-        const uint2 vr = *reinterpret_cast<const uint2*>(&sV[stage][j][lane * 4]);
-        const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vr.x));
-        const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vr.y));
-#pragma unroll
-        for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-          const float pj = __shfl_sync(0xffffffffu, p[rr], j);
-          o[rr][0] += pj * v01.x;
-          o[rr][1] += pj * v01.y;
-          o[rr][2] += pj * v23.x;
-          o[rr][3] += pj * v23.y;
+        for (int dn = 0; dn < kD / 8; dn += 2) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, &sV[stage][vr][dn * 8 + vc]);
+          mma16816(o[dn], pa, b[0], b[1]);
+          mma16816(o[dn + 1], pa, b[2], b[3]);
         }
       }
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
 
+  // Row sums are spread over the quad.
 #pragma unroll
-  for (int rr = 0; rr < kRowsPerWarp; ++rr) {
-    const int r = warp * kRowsPerWarp + rr;
-    if (r >= rows) break;
+  for (int h2 = 0; h2 < 2; ++h2) {
+    l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 1);
+    l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 2);
+  }
+#pragma unroll
+  for (int h2 = 0; h2 < 2; ++h2) {
+    const int r = warp * 16 + g + 8 * h2;
+    if (r >= rows) continue;
     const int t = w.tok_start + r / group, h = kvh * group + r % group;
-    const float inv = l[rr] > 0.f ? 1.f / l[rr] : 0.f;
+    const float inv = l[h2] > 0.f ? 1.f / l[h2] : 0.f;
     if (a.num_splits == 1) {
-      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + lane * 4;
-      const __nv_bfloat162 x = __floats2bfloat162_rn(o[rr][0] * inv, o[rr][1] * inv);
-      const __nv_bfloat162 y = __floats2bfloat162_rn(o[rr][2] * inv, o[rr][3] * inv);
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&x);
-      packed.y = *reinterpret_cast<const uint32_t*>(&y);
-      *reinterpret_cast<uint2*>(dst) = packed;
+      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
+#pragma unroll
+      for (int dn = 0; dn < kD / 8; ++dn)
+        *reinterpret_cast<uint32_t*>(dst + dn * 8) = pack_bf16(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
     } else {
       const int64_t idx = ((int64_t)split * a.num_tokens + t) * a.num_heads + h;
-      *reinterpret_cast<float4*>(a.ws_o + idx * kD + lane * 4) =
-          make_float4(o[rr][0] * inv, o[rr][1] * inv, o[rr][2] * inv, o[rr][3] * inv);
-      if (lane == 0) a.ws_lse[idx] = l[rr] > 0.f ? m[rr] + log2f(l[rr]) : kNegInf;
+      float* dst = a.ws_o + idx * kD + 2 * c;
+#pragma unroll
+      for (int dn = 0; dn < kD / 8; ++dn)
+        *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
+      if (c == 0) a.ws_lse[idx] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
     }
+  }
+  if (a.num_splits == 1) return;
+
+  // The last split of this (item, KV head) to finish merges all splits: no second kernel. The sum runs
+  // in split order whichever block is last, so results do not depend on timing.
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    int* cnt = a.counters + blockIdx.x * gridDim.y + kvh;
+    const int prev = atomicAdd(cnt, 1);
+    s_last = prev == a.num_splits - 1;
+    if (s_last) *cnt = 0;  // ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  for (int i = tid; i < rows * (kD / 4); i += kThreads) {
+    const int r = i / (kD / 4), d = (i % (kD / 4)) * 4;
+    const int t = w.tok_start + r / group, h = kvh * group + r % group;
+    float mx = kNegInf;
+    for (int sp = 0; sp < a.num_splits; ++sp) mx = fmaxf(mx, __ldcg(a.ws_lse + ((int64_t)sp * a.num_tokens + t) * a.num_heads + h));
+    float acc[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
+    if (mx != kNegInf) {
+      for (int sp = 0; sp < a.num_splits; ++sp) {
+        const int64_t idx = ((int64_t)sp * a.num_tokens + t) * a.num_heads + h;
+        const float lse = __ldcg(a.ws_lse + idx);
+        if (lse == kNegInf) continue;
+        const float wgt = exp2f(lse - mx);
+        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.ws_o + idx * kD + d));
+        acc[0] += wgt * v.x;
+        acc[1] += wgt * v.y;
+        acc[2] += wgt * v.z;
+        acc[3] += wgt * v.w;
+        den += wgt;
+      }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    uint2 packed;
+    packed.x = pack_bf16(acc[0] * inv, acc[1] * inv);
+    packed.y = pack_bf16(acc[2] * inv, acc[3] * inv);
+    *reinterpret_cast<uint2*>(a.out + ((int64_t)t * a.num_heads + h) * kD + d) = packed;
   }
 }
 
-// Merge the splits of one (token, head): weights 2^(lse_s - max).
-__global__ void attention_merge_kernel(const float* __restrict__ ws_o, const float* __restrict__ ws_lse,
-                                       bf16* __restrict__ out, int num_splits, int T, int nH) {
-  const int t = blockIdx.x, h = blockIdx.y, lane = threadIdx.x;
-  float mx = kNegInf;
-  for (int s = 0; s < num_splits; ++s) mx = fmaxf(mx, ws_lse[((int64_t)s * T + t) * nH + h]);
-  float acc[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
-  if (mx != kNegInf) {
-    for (int s = 0; s < num_splits; ++s) {
-      const int64_t idx = ((int64_t)s * T + t) * nH + h;
-      const float lse = ws_lse[idx];
-      if (lse == kNegInf) continue;
-      const float wgt = exp2f(lse - mx);
-      const float4 v = *reinterpret_cast<const float4*>(ws_o + idx * kD + lane * 4);
-      acc[0] += wgt * v.x;
-      acc[1] += wgt * v.y;
-      acc[2] += wgt * v.z;
-      acc[3] += wgt * v.w;
-      den += wgt;
-    }
+template <int NW, int KT>
+constexpr size_t smem_bytes() {
+  return (size_t)(16 * NW + 4 * KT) * kLd * sizeof(bf16);
+}
+
+template <int NW, int KT>
+void launch(const AttnArgs& a, dim3 grid, float scale_log2, cudaStream_t s) {
+  static bool configured = false;  // one attribute call per instantiation (graph capture safe afterwards)
+  if (!configured) {
+    OI_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_kernel<NW, KT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       (int)smem_bytes<NW, KT>()));
+    configured = true;
   }
-  const float inv = den > 0.f ? 1.f / den : 0.f;
-  bf16* dst = out + ((int64_t)t * nH + h) * kD + lane * 4;
-  const __nv_bfloat162 x = __floats2bfloat162_rn(acc[0] * inv, acc[1] * inv);
-  const __nv_bfloat162 y = __floats2bfloat162_rn(acc[2] * inv, acc[3] * inv);
-  uint2 packed;
-  packed.x = *reinterpret_cast<const uint32_t*>(&x);
-  packed.y = *reinterpret_cast<const uint32_t*>(&y);
-  *reinterpret_cast<uint2*>(dst) = packed;
+  paged_attention_kernel<NW, KT><<<grid, NW * 32, smem_bytes<NW, KT>(), s>>>(a, scale_log2);
+  OI_LAUNCH_CHECK("paged_attention_kernel");
 }
 
 }  // namespace
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
-  const int target = 4 * num_sms;
+  const int target = 5 * num_sms;  // decode blocks (one warp, 39 KB) fit five per SM
   if (blocks >= target || num_tokens <= 0) return 1;
   int splits = (target + blocks - 1) / blocks;
-  splits = std::min(splits, std::max(1, max_context / (2 * kAttnTile)));  // at least two tiles per split
+  splits = std::min(splits, std::max(1, max_context / kAttnChunkAlign));  // at least one aligned chunk each
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
   return std::max(1, std::min(splits, 128));
 }
 
 void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.kv.head_dim == kD, "paged_attention: head_dim " << a.kv.head_dim << " is not supported (only 128)");
-  OI_CHECK(a.kv.block_size == 16, "paged_attention: block_size must be 16 (one tile = two pages)");
+  OI_CHECK(a.kv.block_size == 16, "paged_attention: block_size must be 16 (a tile is whole pages)");
   OI_CHECK(a.num_heads % a.kv.num_kv_heads == 0, "paged_attention: query heads not a multiple of KV heads");
   OI_CHECK(a.max_rows >= 1 && a.max_rows <= kAttnMaxRowsPerBlock,
            "paged_attention: " << a.max_rows << " rows per work item (max " << kAttnMaxRowsPerBlock << ")");
   OI_CHECK(a.num_splits >= 1, "paged_attention: num_splits must be >= 1");
+  OI_CHECK(a.num_splits == 1 || a.counters != nullptr, "paged_attention: splits need the counters");
   if (a.num_work == 0) return;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
-  dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
-  const int nw = (a.max_rows + kRowsPerWarp - 1) / kRowsPerWarp;
-  if (nw <= 1) paged_attention_kernel<1><<<grid, 32, 0, s>>>(a, scale_log2);
-  else if (nw <= 2) paged_attention_kernel<2><<<grid, 64, 0, s>>>(a, scale_log2);
-  else if (nw <= 4) paged_attention_kernel<4><<<grid, 128, 0, s>>>(a, scale_log2);
-  else paged_attention_kernel<8><<<grid, 256, 0, s>>>(a, scale_log2);
-  OI_LAUNCH_CHECK("paged_attention_kernel");
-  if (a.num_splits > 1) {
-    attention_merge_kernel<<<dim3(a.num_tokens, a.num_heads), 32, 0, s>>>(a.ws_o, a.ws_lse, a.out, a.num_splits,
-                                                                           a.num_tokens, a.num_heads);
-    OI_LAUNCH_CHECK("attention_merge_kernel");
-  }
+  const dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
+  // Decode rows (one token x group heads) fit one warp: small blocks, small tiles, many per SM.
+  if (a.max_rows <= 16) launch<1, 32>(a, grid, scale_log2, s);
+  else if (a.max_rows <= 32) launch<2, 64>(a, grid, scale_log2, s);
+  else launch<4, 64>(a, grid, scale_log2, s);
 }
 
 }  // namespace oi

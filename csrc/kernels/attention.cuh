@@ -1,7 +1,8 @@
-// Causal attention over the paged KV cache, one kernel for prefill chunks and decode rows.
+// Causal attention over the paged KV cache, one tensor-core kernel for prefill chunks and decode rows.
 // A work item is (sequence, first token, token count); a block serves one item, one KV head and one
 // split of the key range, with every query head of that KV head's group, so each K/V tile is read
-// once per group. Long contexts are split across blocks (flash-decoding) and merged by a second kernel.
+// once per group. Long contexts are split across blocks (flash-decoding); the last split block to
+// finish merges them.
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
@@ -31,10 +32,11 @@ struct AttnArgs {
   bf16* out;                    // [T, num_heads * 128]
   float* ws_o;                  // [num_splits, T, num_heads, 128]
   float* ws_lse;                // [num_splits, T, num_heads]
+  int* counters;                // [num_work * num_kv_heads], zero; splits > 1 only (left zero after)
 };
 
-constexpr int kAttnMaxRowsPerBlock = 32;  // query rows (tokens x group heads) per block
-constexpr int kAttnTile = 32;             // keys per tile (two 16-token pages)
+constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16
+constexpr int kAttnChunkAlign = 64;       // split boundaries fall on multiples of this many keys
 
 // Tokens per work item for a group size (rows per block / group).
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }

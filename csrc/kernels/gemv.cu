@@ -7,27 +7,48 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kLoads = 8;                // 16-byte weight loads in flight per lane
+constexpr int kChunk = 256;              // K elements one warp covers with one 16-byte load per lane
+constexpr int kL = 12;                   // weight loads in flight per lane (chunks per round)
 constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+__device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// A block owns `rb` weight rows; each row is cut into `sw` K-slices, one per warp (rb * sw = 8), so a
+// warp's whole slice is one round of kL loads per lane for every Qwen3 shape. The first round is issued
+// before the prologue: the weights (which do not depend on the previous kernel) stream in while the
+// input is staged and normalised, so a small layer costs its bytes plus one memory latency.
 template <int MT, int IN, int OUT>
-__global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
+__global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input
   __shared__ float red[MT][kWarps];
   const int K = a.K, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int rb = kWarps / sw, j = warp / sw, slice = warp % sw;
+  const int chunks = K / kChunk, c0 = slice * chunks / sw, c1 = (slice + 1) * chunks / sw;
+  // SiLU·up: the block's first rb/2 rows are gate rows, the last rb/2 the matching up rows.
+  const int half = a.N / 2;
+  auto row_of = [&](int tile) {
+    if (OUT == (int)GemvOut::kSiluMul) return j < rb / 2 ? tile * (rb / 2) + j : half + tile * (rb / 2) + j - rb / 2;
+    return tile * rb + j;
+  };
+  auto row_ok = [&](int tile) {
+    if (OUT == (int)GemvOut::kSiluMul) return tile * (rb / 2) + (j % (rb / 2)) < half;
+    return tile * rb + j < a.N;
+  };
 
-  // The weights do not depend on the previous kernel: start pulling this warp's first rows into L2 now,
-  // so the memory system is busy while the prologue below runs (it is most of a small layer's time).
-  {
-    const int n = blockIdx.x * kWarps + warp;
-    if (n < a.N) {
-      const char* row = reinterpret_cast<const char*>(a.W + (int64_t)n * K);
-      for (int off = lane * 128; off < K * 2; off += 32 * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + off));
-    }
-  }
+  uint4 wv[kL];
+  auto issue = [&](int tile, int cb) {
+    const bf16* wrow = a.W + (int64_t)row_of(tile) * K + lane * 8;
+    const bool ok = row_ok(tile);
+#pragma unroll
+    for (int u = 0; u < kL; ++u)
+      wv[u] = ok && cb + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(wrow + (cb + u) * kChunk))  // read once
+                                : make_uint4(0, 0, 0, 0);
+  };
+  int tile = blockIdx.x;
+  if (tile < tiles) issue(tile, c0);
+
   // Prologue: every block stages the whole (small) input, transformed, in shared memory.
   float rstd[MT];
   if (IN == (int)GemvIn::kRmsNorm) {
@@ -39,8 +60,8 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
           const uint4 v = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k);
           const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(p[j]);
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(p[q]);
             ss += f.x * f.x + f.y * f.y;
           }
         }
@@ -61,28 +82,16 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
     for (int m = 0; m < MT; ++m) {
       uint4 out = make_uint4(0, 0, 0, 0);
       if (m < a.M) {
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-        if (IN == (int)GemvIn::kSiluMul) {
-          const uint4 g = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * 2 * K + k);
-          const uint4 u = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * 2 * K + K + k);
-          const __nv_bfloat162* gp = reinterpret_cast<const __nv_bfloat162*>(&g);
-          const __nv_bfloat162* up = reinterpret_cast<const __nv_bfloat162*>(&u);
+        out = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k);
+        if (IN == (int)GemvIn::kRmsNorm) {  // the rounding points of the rmsnorm kernel
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
+          const uint4 w = *reinterpret_cast<const uint4*>(a.norm_w + k);
+          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 gf = __bfloat1622float2(gp[j]), uf = __bfloat1622float2(up[j]);
-            o[j] = __floats2bfloat162_rn(silu(gf.x) * uf.x, silu(gf.y) * uf.y);
-          }
-        } else {
-          out = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k);
-          if (IN == (int)GemvIn::kRmsNorm) {  // the rounding points of the rmsnorm kernel
-            const uint4 w = *reinterpret_cast<const uint4*>(a.norm_w + k);
-            const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const float2 f = __bfloat1622float2(o[j]), g = __bfloat1622float2(wp[j]);
-              const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
-              o[j] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
-            }
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
+            const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
+            o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
           }
         }
       }
@@ -91,100 +100,125 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(GemvArgs a) {
   }
   __syncthreads();
 
-  // Main loop: one weight row per warp at a time; every lane keeps kLoads 16-byte loads in flight, so
-  // that even the smallest projections have enough bytes moving to reach the memory bandwidth.
-  const int total_warps = gridDim.x * kWarps;
-  for (int n = blockIdx.x * kWarps + warp; n < a.N; n += total_warps) {
-    const bf16* wrow = a.W + (int64_t)n * K;
+  for (; tile < tiles; tile += gridDim.x) {
     float acc[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m] = 0.f;
-    for (int base = 0; base < K; base += 32 * 8 * kLoads) {
-      uint4 wv[kLoads];
+    for (int cb = c0; cb < c1; cb += kL) {
+      if (cb != c0) issue(tile, cb);  // slices longer than one round (K > 12 * 256 * sw)
 #pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int k = base + (u * 32 + lane) * 8;
-        wv[u] = k < K ? __ldcs(reinterpret_cast<const uint4*>(wrow + k)) : make_uint4(0, 0, 0, 0);  // read once
-      }
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        const int k = base + (u * 32 + lane) * 8;
-        if (k >= K) break;
+      for (int u = 0; u < kL; ++u) {
+        if (cb + u >= c1) break;
+        const int k = (cb + u) * kChunk + lane * 8;
         const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv[u]);
         float wf[8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(wp[j]);
-          wf[2 * j] = f.x;
-          wf[2 * j + 1] = f.y;
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(wp[q]);
+          wf[2 * q] = f.x;
+          wf[2 * q + 1] = f.y;
         }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
           const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
           const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
-          for (int j = 0; j < 4; ++j) {
-            const float2 f = __bfloat1622float2(xp[j]);
-            acc[m] += wf[2 * j] * f.x + wf[2 * j + 1] * f.y;
+          for (int q = 0; q < 4; ++q) {
+            const float2 f = __bfloat1622float2(xp[q]);
+            acc[m] += wf[2 * q] * f.x + wf[2 * q + 1] * f.y;
           }
         }
       }
     }
+    // The next tile's loads go out before this tile's reduction and epilogue.
+    const bool more = tile + gridDim.x < tiles;
+    if (more) issue(tile + gridDim.x, c0);
 #pragma unroll
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MT; ++m) {
       for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
-    if (lane == 0) {
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        if (m >= a.M) break;
-        const int64_t i = (int64_t)m * a.N + n;
-        if (OUT == (int)GemvOut::kF32) {
-          static_cast<float*>(a.y)[i] = acc[m];
+      if (lane == 0) red[m][warp] = acc[m];
+    }
+    __syncthreads();
+    // One thread per (output row, m): the slices are summed in order (deterministic).
+    const int nout = OUT == (int)GemvOut::kSiluMul ? rb / 2 : rb;
+    if (tid < nout * MT) {
+      const int r = tid / MT, m = tid % MT;
+      auto row_sum = [&](int jj) {
+        float t = 0.f;
+        for (int s2 = 0; s2 < sw; ++s2) t += red[m][jj * sw + s2];
+        return t;
+      };
+      if (m < a.M) {
+        if (OUT == (int)GemvOut::kSiluMul) {
+          const int i = tile * (rb / 2) + r;
+          if (i < half) {
+            const float g = bf16r(row_sum(r)), u = bf16r(row_sum(r + rb / 2));
+            static_cast<bf16*>(a.y)[(int64_t)m * half + i] = __float2bfloat16(silu(g) * u);
+          }
         } else {
-          bf16* y = static_cast<bf16*>(a.y);
-          y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? acc[m] + __bfloat162float(y[i]) : acc[m]);
+          const int n = tile * rb + r;
+          if (n < a.N) {
+            const int64_t i = (int64_t)m * a.N + n;
+            const float v = row_sum(r);
+            if (OUT == (int)GemvOut::kF32) {
+              static_cast<float*>(a.y)[i] = v;
+            } else {
+              bf16* y = static_cast<bf16*>(a.y);
+              y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? v + __bfloat162float(y[i]) : v);
+            }
+          }
         }
       }
     }
+    if (more) __syncthreads();  // red[] is reused by the next tile
   }
 }
 
 template <int MT, int IN, int OUT>
-void launch(const GemvArgs& a, size_t smem, int num_sms, cudaStream_t s) {
-  static bool configured = false;  // one attribute call per instantiation (graph capture safe afterwards)
-  if (!configured) {
+void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s) {
+  static int per_sm = 0;  // one attribute call and occupancy query per instantiation (capture safe afterwards)
+  if (per_sm == 0) {
     OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<MT, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
-    configured = true;
+    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<MT, IN, OUT>, kThreads, 0));
+    per_sm = std::max(per_sm, 1);
   }
-  const int per_sm = std::max(1, std::min(2048 / kThreads, (int)((227 * 1024) / (smem + 1024))));
-  const int need = (a.N + kWarps - 1) / kWarps;
-  const int grid = std::max(1, std::min(need, num_sms * per_sm));
-  gemv_kernel<MT, IN, OUT><<<grid, kThreads, smem, s>>>(a);
+  const int fit = std::max(1, std::min(per_sm, (int)((227 * 1024) / (smem + 2048))));
+  const int rb = kWarps / sw;
+  const bool pairs = OUT == (int)GemvOut::kSiluMul;
+  const int rows = pairs ? a.N / 2 : a.N, per_tile = pairs ? rb / 2 : rb;
+  const int tiles = (rows + per_tile - 1) / per_tile;
+  const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
+  gemv_kernel<MT, IN, OUT><<<grid, kThreads, smem, s>>>(a, sw, tiles);
   OI_LAUNCH_CHECK("gemv_kernel");
 }
 
 template <int MT>
-void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, size_t smem, int num_sms, cudaStream_t s) {
+void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
   const int i = (int)in, o = (int)out;
-  if (i == 1 && o == 0) launch<MT, 1, 0>(a, smem, num_sms, s);       // qkv, gate_up: norm fused in
-  else if (i == 0 && o == 1) launch<MT, 0, 1>(a, smem, num_sms, s);  // o_proj: residual add
-  else if (i == 2 && o == 1) launch<MT, 2, 1>(a, smem, num_sms, s);  // down_proj: SiLU·up in, residual out
-  else if (i == 1 && o == 2) launch<MT, 1, 2>(a, smem, num_sms, s);  // lm_head: final norm in, fp32 out
-  else if (i == 0 && o == 0) launch<MT, 0, 0>(a, smem, num_sms, s);
+  if (i == 1 && o == 0) launch<MT, 1, 0>(a, sw, smem, num_sms, s);       // qkv: norm fused in
+  else if (i == 1 && o == 3) launch<MT, 1, 3>(a, sw, smem, num_sms, s);  // gate_up: norm in, SiLU·up out
+  else if (i == 0 && o == 1) launch<MT, 0, 1>(a, sw, smem, num_sms, s);  // o_proj, down_proj: residual add
+  else if (i == 1 && o == 2) launch<MT, 1, 2>(a, sw, smem, num_sms, s);  // lm_head: final norm in, fp32 out
+  else if (i == 0 && o == 0) launch<MT, 0, 0>(a, sw, smem, num_sms, s);
   else OI_CHECK(false, "gemv: unsupported prologue/epilogue pair " << i << "/" << o);
 }
 
 }  // namespace
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
-  if (a.M < 1 || a.M > kGemvMaxRows || a.K % 8 != 0) return false;
+  if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
   const int mt = a.M <= 1 ? 1 : a.M <= 2 ? 2 : 4;
   const size_t smem = (size_t)mt * a.K * sizeof(bf16);
   if (smem > kMaxSmem) return false;
+  // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
+  const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;
+  int sw = 1;
+  while (sw < max_sw && (chunks + sw - 1) / sw > kL) sw *= 2;
+  if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
   switch (mt) {
-    case 1: dispatch<1>(a, in, out, smem, num_sms, s); break;
-    case 2: dispatch<2>(a, in, out, smem, num_sms, s); break;
-    default: dispatch<4>(a, in, out, smem, num_sms, s); break;
+    case 1: dispatch<1>(a, in, out, sw, smem, num_sms, s); break;
+    case 2: dispatch<2>(a, in, out, sw, smem, num_sms, s); break;
+    default: dispatch<4>(a, in, out, sw, smem, num_sms, s); break;
   }
   return true;
 }

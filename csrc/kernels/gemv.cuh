@@ -1,17 +1,18 @@
 // Small-batch GEMM (M <= 4 rows: decode) reading each weight once at full memory bandwidth, with the
-// neighbouring element-wise work fused so that it costs no extra pass: RMSNorm of the input (prologue),
-// SiLU(gate)·up of the input (prologue), residual add or fp32 output (epilogue).
+// neighbouring element-wise work fused so that it costs no extra pass: RMSNorm of the input (prologue);
+// residual add, fp32 output, or SiLU(gate)·up of the two output halves (epilogue).
 //   y[m, n] (+)= sum_k x_eff[m, k] * W[n, k]
 #pragma once
 #include "../common.h"
 
 namespace oi {
 
-enum class GemvIn { kPlain = 0, kRmsNorm = 1, kSiluMul = 2 };
-enum class GemvOut { kStore = 0, kAccumulate = 1, kF32 = 2 };
+enum class GemvIn { kPlain = 0, kRmsNorm = 1 };
+// kSiluMul: W is [gate; up] (2I rows); y[m, i] = SiLU(gate_i) * up_i, each rounded to bf16 first, [M, I].
+enum class GemvOut { kStore = 0, kAccumulate = 1, kF32 = 2, kSiluMul = 3 };
 
 struct GemvArgs {
-  const bf16* x;       // [M, K], or [M, 2K] (gate then up) for kSiluMul
+  const bf16* x;       // [M, K]
   const bf16* norm_w;  // [K] for kRmsNorm
   float eps;
   const bf16* W;       // [N, K]
@@ -22,8 +23,8 @@ struct GemvArgs {
 // Above 4 rows the CUDA-core FMAs, not memory, bound this kernel; cuBLASLt's tensor cores win there.
 constexpr int kGemvMaxRows = 4;
 
-// False (and nothing launched) when the shape does not suit the kernel (M > 4, staged input too large);
-// the caller then takes the cuBLASLt path.
+// False (and nothing launched) when the shape does not suit the kernel (M > 4, K not a multiple of 256,
+// staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
 }  // namespace oi

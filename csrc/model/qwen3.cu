@@ -6,18 +6,20 @@ namespace oi {
 namespace {
 
 // One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
-// kernel (into `scratch`) followed by cuBLASLt.
+// kernels (through `scratch`) around cuBLASLt. kSiluMul writes SiLU(gate)·up ([M, N/2]) to y.
 void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
-            int K, bf16* scratch, Gemm& gemm, int num_sms, cudaStream_t s) {
+            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, cudaStream_t s) {
   GemvArgs g{x, norm_w, eps, W, y, M, N, K};
   if (gemv(g, in, out, num_sms, s)) return;
   const bf16* src = x;
   if (in == GemvIn::kRmsNorm) {
     rmsnorm(x, norm_w, scratch, M, K, eps, s);
     src = scratch;
-  } else if (in == GemvIn::kSiluMul) {
-    silu_mul(x, scratch, M, K, s);
-    src = scratch;
+  }
+  if (out == GemvOut::kSiluMul) {
+    gemm.run(src, W, gu, M, N, K, false, false, s);
+    silu_mul(gu, static_cast<bf16*>(y), M, N / 2, s);
+    return;
   }
   gemm.run(src, W, y, M, N, K, out == GemvOut::kAccumulate, out == GemvOut::kF32, s);
 }
@@ -32,7 +34,8 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   embedding_lookup(w.embed, m.ids, a.x, T, H, s);
   for (int l = 0; l < d.layers; ++l) {
     const LayerWeights& lw = w.layers[l];
-    linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, gemm, num_sms, s);
+    linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
+           num_sms, s);
     qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                           d.eps, s);
     AttnArgs at{};
@@ -54,18 +57,21 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     at.out = a.attn;
     at.ws_o = a.ws_o;
     at.ws_lse = a.ws_lse;
+    at.counters = a.attn_counters;
     paged_attention(at, s);
     // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
-    linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr, gemm,
+    linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr,
+           nullptr, gemm, num_sms, s);
+    linear(In::kRmsNorm, Out::kSiluMul, a.x, lw.post_norm, d.eps, lw.gate_up, a.act, T, 2 * I, H, a.h, a.gu, gemm,
            num_sms, s);
-    linear(In::kRmsNorm, Out::kStore, a.x, lw.post_norm, d.eps, lw.gate_up, a.gu, T, 2 * I, H, a.h, gemm, num_sms, s);
-    linear(In::kSiluMul, Out::kAccumulate, a.gu, nullptr, d.eps, lw.down, a.x, T, H, I, a.act, gemm, num_sms, s);
+    linear(In::kPlain, Out::kAccumulate, a.act, nullptr, d.eps, lw.down, a.x, T, H, I, nullptr, nullptr, gemm, num_sms,
+           s);
   }
   // Only the rows that sample go through the final norm and the lm_head.
   gather_rows(a.x, m.sample_idx, a.xs, m.S, H, s);
   if (m.S > 0)
-    linear(In::kRmsNorm, Out::kF32, a.xs, w.final_norm, d.eps, w.lm_head, a.logits, m.S, d.vocab, H, a.hs, gemm,
-           num_sms, s);
+    linear(In::kRmsNorm, Out::kF32, a.xs, w.final_norm, d.eps, w.lm_head, a.logits, m.S, d.vocab, H, a.hs, nullptr,
+           gemm, num_sms, s);
   SampleArgs sa{};
   sa.logits = a.logits;
   sa.num_rows = m.S;

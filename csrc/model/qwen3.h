@@ -36,6 +36,7 @@ struct Activations {
   bf16 *xs = nullptr, *hs = nullptr;  // sampled rows
   float* logits = nullptr;
   float *ws_o = nullptr, *ws_lse = nullptr;  // attention split workspace
+  int* attn_counters = nullptr;               // per (work item, KV head), zeroed once
 };
 
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).
