@@ -96,3 +96,8 @@ def test_cuda_graph_off_generates_the_same(engine, tmp_path):
     assert eager.llm_engine.backend.eng.graph_steps == 0
     assert [o.token_ids for o in eager.generate(prompts, params)] == with_graph
     assert eager.llm_engine.backend.eng.graph_steps == 0
+
+
+def test_graph_buckets(engine):
+    """Powers of two plus one step between, from 16 on (13 graphs for 256 sequences)."""
+    assert list(engine.llm_engine.backend.eng.graph_batches) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]

@@ -20,7 +20,7 @@ struct EngineOptions {
   bool cuda_graph = true;      // capture decode steps for the batch sizes of graph_batch_sizes()
 };
 
-// Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, then every 16 up to max_num_seqs (and it).
+// Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to max_num_seqs (and it).
 std::vector<int> graph_batch_sizes(int max_num_seqs);
 
 // One step's inputs, as host pointers (layout: docs/architecture.md).
@@ -66,6 +66,8 @@ class Engine {
 
  private:
   void* alloc(size_t bytes, int64_t* counter);
+  void upload(void* dst, const void* src, size_t bytes);
+  void release_upload_stages();
   bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
   StepResult run(const HostStep& in, bf16* kv_cache, int64_t num_blocks);
   // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
@@ -107,6 +109,9 @@ class Engine {
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
   int64_t graph_steps_ = 0;
+  char* stage_[2] = {nullptr, nullptr};  // pinned upload stages (weights only; freed by finalize)
+  cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
+  int stage_cur_ = 0;
 };
 
 }  // namespace oi

@@ -2,6 +2,7 @@
 #include <cmath>
 
 #include "attention.cuh"
+#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -38,6 +39,14 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 __device__ __forceinline__ uint32_t lds32(const bf16* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // A block serves one work item x one KV head x one key split. Each warp owns 16 query rows
 // (row r = token r / group, head r % group of this KV head); all warps share every K/V tile of KT keys.
@@ -50,6 +59,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + 2 * KT) * kLd * 2);
   __shared__ int s_last;
+  pdl_wait();
+  pdl_release();
 
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
@@ -235,31 +246,42 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  for (int i = tid; i < rows * (kD / 4); i += kThreads) {
-    const int r = i / (kD / 4), d = (i % (kD / 4)) * 4;
+  // One warp per row: lanes read the splits' log-sum-exps in parallel, then each lane merges 4 dims
+  // with several splits' loads in flight.
+  float* s_w = reinterpret_cast<float*>(smem_raw) + warp * kAttnMaxSplits;  // sQ is free now
+  for (int r = warp; r < rows; r += NW) {
     const int t = w.tok_start + r / group, h = kvh * group + r % group;
+    const int64_t row = (int64_t)t * a.num_heads + h, split_stride = (int64_t)a.num_tokens * a.num_heads;
     float mx = kNegInf;
-    for (int sp = 0; sp < a.num_splits; ++sp) mx = fmaxf(mx, __ldcg(a.ws_lse + ((int64_t)sp * a.num_tokens + t) * a.num_heads + h));
-    float acc[4] = {0.f, 0.f, 0.f, 0.f}, den = 0.f;
-    if (mx != kNegInf) {
-      for (int sp = 0; sp < a.num_splits; ++sp) {
-        const int64_t idx = ((int64_t)sp * a.num_tokens + t) * a.num_heads + h;
-        const float lse = __ldcg(a.ws_lse + idx);
-        if (lse == kNegInf) continue;
-        const float wgt = exp2f(lse - mx);
-        const float4 v = __ldcg(reinterpret_cast<const float4*>(a.ws_o + idx * kD + d));
-        acc[0] += wgt * v.x;
-        acc[1] += wgt * v.y;
-        acc[2] += wgt * v.z;
-        acc[3] += wgt * v.w;
-        den += wgt;
-      }
+    for (int sp = lane; sp < a.num_splits; sp += 32) mx = fmaxf(mx, __ldcg(a.ws_lse + sp * split_stride + row));
+    mx = warp_max(mx);
+    float den = 0.f;
+    for (int sp = lane; sp < a.num_splits; sp += 32) {
+      const float lse = __ldcg(a.ws_lse + sp * split_stride + row);
+      const float wgt = lse == kNegInf ? 0.f : exp2f(lse - mx);
+      s_w[sp] = wgt;
+      den += wgt;
+    }
+    den = warp_sum(den);
+    __syncwarp();
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+    const float* src = a.ws_o + row * kD + lane * 4;
+#pragma unroll 8
+    for (int sp = 0; sp < a.num_splits; ++sp) {
+      const float wgt = s_w[sp];
+      if (wgt == 0.f) continue;  // empty split (short context under a graph's split count)
+      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride * kD));
+      acc[0] += wgt * v.x;
+      acc[1] += wgt * v.y;
+      acc[2] += wgt * v.z;
+      acc[3] += wgt * v.w;
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
     uint2 packed;
     packed.x = pack_bf16(acc[0] * inv, acc[1] * inv);
     packed.y = pack_bf16(acc[2] * inv, acc[3] * inv);
-    *reinterpret_cast<uint2*>(a.out + ((int64_t)t * a.num_heads + h) * kD + d) = packed;
+    *reinterpret_cast<uint2*>(a.out + row * kD + lane * 4) = packed;
+    __syncwarp();
   }
 }
 
@@ -276,7 +298,7 @@ void launch(const AttnArgs& a, dim3 grid, float scale_log2, cudaStream_t s) {
                                        (int)smem_bytes<NW, KT>()));
     configured = true;
   }
-  paged_attention_kernel<NW, KT><<<grid, NW * 32, smem_bytes<NW, KT>(), s>>>(a, scale_log2);
+  launch_pdl(paged_attention_kernel<NW, KT>, grid, NW * 32, smem_bytes<NW, KT>(), s, a, scale_log2);
   OI_LAUNCH_CHECK("paged_attention_kernel");
 }
 
@@ -289,7 +311,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   int splits = (target + blocks - 1) / blocks;
   splits = std::min(splits, std::max(1, max_context / kAttnChunkAlign));  // at least one aligned chunk each
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
-  return std::max(1, std::min(splits, 128));
+  return std::max(1, std::min(splits, kAttnMaxSplits));
 }
 
 void paged_attention(const AttnArgs& a, cudaStream_t s) {
@@ -298,7 +320,8 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_heads % a.kv.num_kv_heads == 0, "paged_attention: query heads not a multiple of KV heads");
   OI_CHECK(a.max_rows >= 1 && a.max_rows <= kAttnMaxRowsPerBlock,
            "paged_attention: " << a.max_rows << " rows per work item (max " << kAttnMaxRowsPerBlock << ")");
-  OI_CHECK(a.num_splits >= 1, "paged_attention: num_splits must be >= 1");
+  OI_CHECK(a.num_splits >= 1 && a.num_splits <= kAttnMaxSplits,
+           "paged_attention: num_splits " << a.num_splits << " (1.." << kAttnMaxSplits << ")");
   OI_CHECK(a.num_splits == 1 || a.counters != nullptr, "paged_attention: splits need the counters");
   if (a.num_work == 0) return;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);

@@ -1,6 +1,7 @@
 #include <algorithm>
 
 #include "gemv.cuh"
+#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -11,17 +12,21 @@ constexpr int kChunk = 256;              // K elements one warp covers with one 
 constexpr int kL = 12;                   // weight loads in flight per lane (chunks per round)
 constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
 // A block owns `rb` weight rows; each row is cut into `sw` K-slices, one per warp (rb * sw = 8), so a
-// warp's whole slice is one round of kL loads per lane for every Qwen3 shape. The first round is issued
-// before the prologue: the weights (which do not depend on the previous kernel) stream in while the
-// input is staged and normalised, so a small layer costs its bytes plus one memory latency.
+// warp's whole slice is one round of kL loads per lane for every Qwen3 shape. The first round of weights
+// is requested before anything else (under PDL, while the previous kernel finishes); the input staging
+// and RMSNorm run while they stream in, so a small layer costs its bytes plus about one memory latency.
 template <int MT, int IN, int OUT>
 __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input
+  bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input, then [K] norm weight
   __shared__ float red[MT][kWarps];
   const int K = a.K, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = kWarps / sw, j = warp / sw, slice = warp % sw;
@@ -46,29 +51,41 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
       wv[u] = ok && cb + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(wrow + (cb + u) * kChunk))  // read once
                                 : make_uint4(0, 0, 0, 0);
   };
+  // The weights do not depend on the previous kernel: they are requested before waiting for it.
   int tile = blockIdx.x;
   if (tile < tiles) issue(tile, c0);
+  pdl_wait();
+  pdl_release();
+  bf16* snw = sx + MT * K;  // [K] norm weight
+  for (int k = tid * 8; k < K; k += kThreads * 8) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) cp_async16(sx + (int64_t)m * K + k, a.x + (int64_t)(m < a.M ? m : 0) * K + k, m < a.M);
+    if (IN == (int)GemvIn::kRmsNorm) cp_async16(snw + k, a.norm_w + k, true);
+  }
+  asm volatile("cp.async.commit_group;\n" ::);
+  asm volatile("cp.async.wait_group 0;\n" ::);
+  __syncthreads();
 
-  // Prologue: every block stages the whole (small) input, transformed, in shared memory.
-  float rstd[MT];
+  // Prologue: RMSNorm in place, each thread on the elements it staged (the rmsnorm kernel's roundings).
   if (IN == (int)GemvIn::kRmsNorm) {
+    float ss[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
-      float ss = 0.f;
-      if (m < a.M)
-        for (int k = tid * 8; k < K; k += kThreads * 8) {
-          const uint4 v = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k);
-          const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+      ss[m] = 0.f;
+      for (int k = tid * 8; k < K; k += kThreads * 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(p[q]);
-            ss += f.x * f.x + f.y * f.y;
-          }
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(p[q]);
+          ss[m] += f.x * f.x + f.y * f.y;
         }
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      if (lane == 0) red[m][warp] = ss;
+      }
+      for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+      if (lane == 0) red[m][warp] = ss[m];
     }
     __syncthreads();
+    float rstd[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       float t = 0.f;
@@ -76,29 +93,24 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
       for (int w = 0; w < kWarps; ++w) t += red[m][w];
       rstd[m] = rsqrtf(t / K + a.eps);
     }
-  }
-  for (int k = tid * 8; k < K; k += kThreads * 8) {
+    for (int k = tid * 8; k < K; k += kThreads * 8) {
+      const uint4 w = *reinterpret_cast<const uint4*>(snw + k);
+      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
 #pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      uint4 out = make_uint4(0, 0, 0, 0);
-      if (m < a.M) {
-        out = *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k);
-        if (IN == (int)GemvIn::kRmsNorm) {  // the rounding points of the rmsnorm kernel
-          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&out);
-          const uint4 w = *reinterpret_cast<const uint4*>(a.norm_w + k);
-          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
+      for (int m = 0; m < MT; ++m) {
+        uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
-            const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
-            o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
-          }
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
+          const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
+          o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
         }
+        *reinterpret_cast<uint4*>(sx + (int64_t)m * K + k) = v;
       }
-      *reinterpret_cast<uint4*>(sx + (int64_t)m * K + k) = out;
     }
+    __syncthreads();  // red[] is reused below and every warp reads the whole input
   }
-  __syncthreads();
 
   for (; tile < tiles; tile += gridDim.x) {
     float acc[MT];
@@ -188,7 +200,7 @@ void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s)
   const int rows = pairs ? a.N / 2 : a.N, per_tile = pairs ? rb / 2 : rb;
   const int tiles = (rows + per_tile - 1) / per_tile;
   const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
-  gemv_kernel<MT, IN, OUT><<<grid, kThreads, smem, s>>>(a, sw, tiles);
+  launch_pdl(gemv_kernel<MT, IN, OUT>, grid, kThreads, smem, s, a, sw, tiles);
   OI_LAUNCH_CHECK("gemv_kernel");
 }
 
@@ -208,7 +220,7 @@ void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, in
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
   const int mt = a.M <= 1 ? 1 : a.M <= 2 ? 2 : 4;
-  const size_t smem = (size_t)mt * a.K * sizeof(bf16);
+  const size_t smem = (size_t)(mt + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
   if (smem > kMaxSmem) return false;
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
   const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;

@@ -1,6 +1,7 @@
 #include <cmath>
 #include <vector>
 
+#include "pdl.cuh"
 #include "rope_kv.cuh"
 
 namespace oi {
@@ -22,6 +23,8 @@ __global__ void qk_norm_rope_kv_kernel(bf16* __restrict__ qkv, const bf16* __res
                                        const bf16* __restrict__ kw, const int32_t* __restrict__ positions,
                                        const int32_t* __restrict__ slots, const float2* __restrict__ cos_sin,
                                        bf16* __restrict__ cache, int layer, KvLayout kv, int nH, float eps) {
+  pdl_wait();
+  pdl_release();
   const int t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nKV = kv.num_kv_heads;
@@ -29,7 +32,9 @@ __global__ void qk_norm_rope_kv_kernel(bf16* __restrict__ qkv, const bf16* __res
   const int pos = positions[t];
   const int slot = slots[t];
   bf16* row = qkv + (int64_t)t * heads * kD;
-  for (int h = warp; h < heads; h += blockDim.x >> 5) {
+  {  // one head per warp: no serial chain of heads at small T
+    const int h = blockIdx.y * (blockDim.x >> 5) + warp;
+    if (h >= heads) return;
     bf16* src = row + h * kD + lane * 4;
     uint2 raw = *reinterpret_cast<const uint2*>(src);
     __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x), b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
@@ -90,8 +95,9 @@ void qk_norm_rope_kv_write(bf16* qkv, const bf16* q_norm_w, const bf16* k_norm_w
                            const KvLayout& kv, int T, int num_heads, float eps, cudaStream_t s) {
   OI_CHECK(kv.head_dim == kD, "qk_norm_rope_kv_write: head_dim " << kv.head_dim << " is not supported (only 128)");
   if (T == 0) return;
-  qk_norm_rope_kv_kernel<<<T, 256, 0, s>>>(qkv, q_norm_w, k_norm_w, positions, slot_mapping, cos_sin, kv_cache,
-                                           layer, kv, num_heads, eps);
+  const int heads = num_heads + 2 * kv.num_kv_heads;
+  launch_pdl(qk_norm_rope_kv_kernel, dim3(T, (heads + 7) / 8), 256, 0, s, qkv, q_norm_w, k_norm_w, positions,
+             slot_mapping, cos_sin, kv_cache, layer, kv, num_heads, eps);
   OI_LAUNCH_CHECK("qk_norm_rope_kv_kernel");
 }
 
