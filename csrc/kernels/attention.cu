@@ -2,7 +2,6 @@
 #include <cmath>
 
 #include "attention.cuh"
-#include "pdl.cuh"
 
 namespace oi {
 namespace {
@@ -59,8 +58,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + 2 * KT) * kLd * 2);
   __shared__ int s_last;
-  pdl_wait();
-  pdl_release();
 
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
@@ -69,7 +66,10 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   const int rows = w.num_tok * group;
   const int ctx = a.context_lens[w.seq];
   const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;  // causal bound of the item's last token
-  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
+  // Splits cover at least kAttnMinChunk keys: a short context under a graph's (long-context) split count
+  // uses few splits, and the rest exit at once.
+  const int chunk = max(kAttnMinChunk, ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) /
+                                           kAttnChunkAlign * kAttnChunkAlign);
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
 
@@ -225,9 +225,10 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     } else {
       const int64_t idx = ((int64_t)split * a.num_tokens + t) * a.num_heads + h;
       float* dst = a.ws_o + idx * kD + 2 * c;
+      if (lo < hi)  // an empty split's zero weight keeps the merge from reading it
 #pragma unroll
-      for (int dn = 0; dn < kD / 8; ++dn)
-        *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
+        for (int dn = 0; dn < kD / 8; ++dn)
+          *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
       if (c == 0) a.ws_lse[idx] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
     }
   }
@@ -246,42 +247,60 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  // One warp per row: lanes read the splits' log-sum-exps in parallel, then each lane merges 4 dims
-  // with several splits' loads in flight.
-  float* s_w = reinterpret_cast<float*>(smem_raw) + warp * kAttnMaxSplits;  // sQ is free now
-  for (int r = warp; r < rows; r += NW) {
-    const int t = w.tok_start + r / group, h = kvh * group + r % group;
-    const int64_t row = (int64_t)t * a.num_heads + h, split_stride = (int64_t)a.num_tokens * a.num_heads;
+  // Merge. The splits' log-sum-exps of every row go to shared memory in one parallel read (sQ is free
+  // now), then each thread merges 4 dims of up to 4 rows with all their loads in flight together.
+  float* s_w = reinterpret_cast<float*>(smem_raw);  // [rows][num_splits] weights, then [rows] 1/sum
+  float* s_inv = s_w + kAttnMaxRowsPerBlock * kAttnMaxSplits;
+  const int S = a.num_splits;
+  const int64_t split_stride = (int64_t)a.num_tokens * a.num_heads;
+  auto row_index = [&](int r) { return (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group; };
+  for (int i = tid; i < rows * S; i += kThreads) s_w[i] = __ldcg(a.ws_lse + (i % S) * split_stride + row_index(i / S));
+  __syncthreads();
+  for (int r = warp; r < rows; r += NW) {  // lse -> weights, per row
     float mx = kNegInf;
-    for (int sp = lane; sp < a.num_splits; sp += 32) mx = fmaxf(mx, __ldcg(a.ws_lse + sp * split_stride + row));
+    for (int sp = lane; sp < S; sp += 32) mx = fmaxf(mx, s_w[r * S + sp]);
     mx = warp_max(mx);
     float den = 0.f;
-    for (int sp = lane; sp < a.num_splits; sp += 32) {
-      const float lse = __ldcg(a.ws_lse + sp * split_stride + row);
+    for (int sp = lane; sp < S; sp += 32) {
+      const float lse = s_w[r * S + sp];
       const float wgt = lse == kNegInf ? 0.f : exp2f(lse - mx);
-      s_w[sp] = wgt;
+      s_w[r * S + sp] = wgt;
       den += wgt;
     }
     den = warp_sum(den);
-    __syncwarp();
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    const float* src = a.ws_o + row * kD + lane * 4;
-#pragma unroll 8
-    for (int sp = 0; sp < a.num_splits; ++sp) {
-      const float wgt = s_w[sp];
-      if (wgt == 0.f) continue;  // empty split (short context under a graph's split count)
-      const float4 v = __ldcg(reinterpret_cast<const float4*>(src + sp * split_stride * kD));
-      acc[0] += wgt * v.x;
-      acc[1] += wgt * v.y;
-      acc[2] += wgt * v.z;
-      acc[3] += wgt * v.w;
+    if (lane == 0) s_inv[r] = den > 0.f ? 1.f / den : 0.f;
+  }
+  __syncthreads();
+  constexpr int kR = 4;  // rows per thread
+  for (int i = tid; i < (rows + kR - 1) / kR * 32; i += kThreads) {
+    const int d = (i % 32) * 4, r0 = (i / 32) * kR;
+    float acc[kR][4] = {};
+    for (int sp = 0; sp < S; ++sp) {
+      float4 v[kR];
+#pragma unroll
+      for (int q = 0; q < kR; ++q)
+        if (r0 + q < rows && s_w[(r0 + q) * S + sp] != 0.f)  // empty splits wrote zeros: skip the read
+          v[q] = __ldcg(reinterpret_cast<const float4*>(a.ws_o + (sp * split_stride + row_index(r0 + q)) * kD + d));
+        else
+          v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int q = 0; q < kR; ++q) {
+        const float wgt = r0 + q < rows ? s_w[(r0 + q) * S + sp] : 0.f;
+        acc[q][0] += wgt * v[q].x;
+        acc[q][1] += wgt * v[q].y;
+        acc[q][2] += wgt * v[q].z;
+        acc[q][3] += wgt * v[q].w;
+      }
     }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    uint2 packed;
-    packed.x = pack_bf16(acc[0] * inv, acc[1] * inv);
-    packed.y = pack_bf16(acc[2] * inv, acc[3] * inv);
-    *reinterpret_cast<uint2*>(a.out + row * kD + lane * 4) = packed;
-    __syncwarp();
+#pragma unroll
+    for (int q = 0; q < kR; ++q) {
+      if (r0 + q >= rows) break;
+      const float inv = s_inv[r0 + q];
+      uint2 packed;
+      packed.x = pack_bf16(acc[q][0] * inv, acc[q][1] * inv);
+      packed.y = pack_bf16(acc[q][2] * inv, acc[q][3] * inv);
+      *reinterpret_cast<uint2*>(a.out + row_index(r0 + q) * kD + d) = packed;
+    }
   }
 }
 
@@ -298,7 +317,7 @@ void launch(const AttnArgs& a, dim3 grid, float scale_log2, cudaStream_t s) {
                                        (int)smem_bytes<NW, KT>()));
     configured = true;
   }
-  launch_pdl(paged_attention_kernel<NW, KT>, grid, NW * 32, smem_bytes<NW, KT>(), s, a, scale_log2);
+  paged_attention_kernel<NW, KT><<<grid, NW * 32, smem_bytes<NW, KT>(), s>>>(a, scale_log2);
   OI_LAUNCH_CHECK("paged_attention_kernel");
 }
 
@@ -309,7 +328,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   const int target = 5 * num_sms;  // decode blocks (one warp, 39 KB) fit five per SM
   if (blocks >= target || num_tokens <= 0) return 1;
   int splits = (target + blocks - 1) / blocks;
-  splits = std::min(splits, std::max(1, max_context / kAttnChunkAlign));  // at least one aligned chunk each
+  splits = std::min(splits, std::max(1, max_context / kAttnMinChunk));
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
   return std::max(1, std::min(splits, kAttnMaxSplits));
 }
