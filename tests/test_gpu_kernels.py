@@ -292,7 +292,7 @@ def test_fused_gemv(model, M):
         got = ops().gemv(x, nw, w, M, N, K, pro, epi, y0, 1e-6)
         if got is None:  # staged input too large for shared memory: the engine falls back to cuBLASLt
             mt = 1 if M == 1 else 2 if M == 2 else 4
-            assert 96 * 1024 + (mt + (pro == 1)) * K * 2 > 226 * 1024, (N, K, M)  # weight ring + staged input
+            assert (mt + (pro == 1)) * K * 2 > 200 * 1024, (N, K, M)  # staged input (and norm weight)
             continue
         want = _gemv_ref(x, nw, w, pro, epi, y0)
         tol = 1e-4 if epi == 2 else TOL["bf16_gemm"]
