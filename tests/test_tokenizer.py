@@ -70,3 +70,30 @@ def test_holdback_is_released_when_no_stop(tokenizer):
     out = [d.add_token(i)[0] for i in tokenizer.encode("Hello world")]
     assert "".join(out) == "Hell"  # 7 characters held back: a stop string could still start there
     assert d.flush() == "o world"
+
+
+def test_byte_table_decodes_every_id_like_the_tokenizer(tokenizer):
+    import codecs
+    for skip in (True, False):
+        table = tokenizer.byte_table(skip)
+        assert table is not None and len(table) == tokenizer.vocab_size
+        for i in range(151936):  # the model's vocabulary: ids past the tokenizer's decode to nothing
+            b = table[i] if i < len(table) else b""
+            assert codecs.decode(b, "utf-8", "replace") == tokenizer.decode([i], skip), (skip, i)
+
+
+def test_fast_stream_equals_window_method_and_full_decode(tokenizer, monkeypatch):
+    import numpy as np
+    rng = np.random.default_rng(7)
+    seqs = [tokenizer.encode(MULTIBYTE + " 你好，世界<think>x</think>")]
+    seqs += [[int(x) for x in rng.integers(0, 151936, int(rng.integers(1, 60)))] for _ in range(300)]
+    fast = {}
+    for k, ids in enumerate(seqs):
+        for skip in (True, False):
+            d, _ = stream(tokenizer, ids, skip=skip)
+            assert "".join(d) == tokenizer.decode(ids, skip)
+            fast[k, skip] = "".join(d)
+    monkeypatch.setattr(tokenizer, "byte_table", lambda skip: None)  # the generic window method
+    for k, ids in enumerate(seqs[:1]):
+        for skip in (True, False):
+            assert "".join(stream(tokenizer, ids, skip=skip)[0]) == fast[k, skip]

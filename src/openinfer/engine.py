@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import itertools
-import time
 import logging
+import threading
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Sequence as Seq
@@ -28,6 +29,8 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_model_dir(config.model_path)
+        # the detokenizer's byte table (~0.2 s) builds while the weights load (that part drops the GIL)
+        threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
         self.backend = self._make_backend()
         self._timing = dict(steps=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,

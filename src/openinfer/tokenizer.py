@@ -1,6 +1,7 @@
 """Tokenizer wrapper (`tokenizers` library) and incremental detokenization with stop strings."""
 from __future__ import annotations
 
+import codecs
 import json
 import logging
 from pathlib import Path
@@ -24,6 +25,42 @@ class Tokenizer:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         eos_id = hf.token_to_id(eos) if eos else None
         self.eos_token_ids: tuple[int, ...] = (eos_id,) if eos_id is not None else ()
+        self._byte_tables: dict[bool, list[bytes] | None] = {}
+
+    def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        """The bytes each id decodes to, when the decoder is plain byte-level BPE (Qwen3's): then the
+        text of ids is the lossy UTF-8 decoding of the concatenated bytes, which a streaming UTF-8
+        decoder reproduces with one table lookup per token. None for any other decoder."""
+        if skip_special_tokens not in self._byte_tables:
+            self._byte_tables[skip_special_tokens] = self._build_byte_table(skip_special_tokens)
+        return self._byte_tables[skip_special_tokens]
+
+    def _build_byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+        if type(self._tok.decoder).__name__ != "ByteLevel" or type(self._tok.model).__name__ != "BPE":
+            return None
+        # GPT-2's byte -> printable-character map, inverted: printable Latin-1 bytes stand for
+        # themselves, the other 68 bytes for U+0100.. in byte order. Latin-1 characters outside the
+        # alphabet map to U+FFFF, so a token holding one fails the Latin-1 encode below and falls back
+        # to its own UTF-8 (what the tokenizers library does with such tokens).
+        inverse, n = {}, 0
+        for b in range(256):
+            if ord("!") <= b <= ord("~") or ord("¡") <= b <= ord("¬") or ord("®") <= b <= ord("ÿ"):
+                inverse[b] = b
+            else:
+                inverse[256 + n] = b
+                inverse[b] = 0xFFFF
+                n += 1
+        trans = {c: chr(b) for c, b in inverse.items()}
+        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
+        table = [b""] * self.vocab_size  # ids without a token decode to nothing
+        for t, i in self._tok.get_vocab(with_added_tokens=True).items():
+            if i >= self.vocab_size or (skip_special_tokens and i in special):
+                continue
+            try:
+                table[i] = t.translate(trans).encode("latin-1")
+            except UnicodeEncodeError:
+                table[i] = t.encode()
+        return table
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> "Tokenizer":
@@ -53,9 +90,10 @@ class Tokenizer:
 class IncrementalDetokenizer:
     """Turns a stream of token ids into text deltas.
 
-    Prefix/read-offset method: decode the window ids[prefix:] and emit what it adds over
-    ids[prefix:read]; while the window ends in U+FFFD (a UTF-8 character split across tokens)
-    wait for more tokens. Stop strings: the text ends before the first stop string; while
+    Byte-level BPE (Qwen3): each token's bytes go through a streaming UTF-8 decoder, which holds a
+    character split across tokens until it completes. Other tokenizers, the prefix/read-offset
+    method: decode the window ids[prefix:] and emit what it adds over ids[prefix:read]; while the
+    window ends in U+FFFD (a UTF-8 character split across tokens) wait for more tokens. Stop strings: the text ends before the first stop string; while
     streaming, the last len(longest stop) - 1 characters are held back so a stop string that
     arrives in pieces never leaks.
     """
@@ -67,6 +105,10 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, stop: Sequence[str] = ()):
         self.tok = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        # Byte-level BPE: one table lookup and a streaming UTF-8 decoder per token instead of two decodes
+        # (the same text: tests/test_tokenizer.py); it holds an incomplete character until it completes.
+        self._bytes = tokenizer.byte_table(skip_special_tokens)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
@@ -81,6 +123,9 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self.ids.append(token_id)
+        if self._utf8 is not None:
+            b = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
+            return self._append(self._utf8.decode(b))
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         pending = len(self.ids) - self.read_offset
@@ -114,7 +159,10 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Releases everything held back; call once when the request finishes."""
         out = ""
-        if not self.stopped and self.read_offset < len(self.ids):
+        if self._utf8 is not None:
+            if not self.stopped:
+                out, _ = self._append(self._utf8.decode(b"", final=True))
+        elif not self.stopped and self.read_offset < len(self.ids):
             prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
             window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
             self.prefix_offset = self.read_offset = len(self.ids)
