@@ -368,7 +368,7 @@ def test_engine_exception_fails_request_not_server(server, client):
     eng = server.engine
     real_step = eng.step
 
-    def broken_step():
+    def broken_step(**_):
         eng.step = real_step  # fail once
         raise RuntimeError("injected fault")
 

@@ -78,7 +78,9 @@ class ScriptedEngine:
             raise RuntimeError("loop-level fault")
         return bool(self.reqs)
 
-    def step(self):
+    def step(self, before_launch=None):
+        if before_launch is not None:  # where a real engine launches the device step
+            before_launch()
         ups = []
         for rid, pieces in list(self.reqs.items()):
             ids, text = pieces.pop(0)

@@ -7,7 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Sequence as Seq
+from typing import Callable, Sequence as Seq
 
 import numpy as np
 
@@ -80,12 +80,14 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
-    def step(self) -> list[RequestUpdate]:
+    def step(self, before_launch: Callable[[], None] | None = None) -> list[RequestUpdate]:
+        """One step. `before_launch` runs after scheduling, right before the backend call (which
+        drops the GIL): the server posts the previous step's updates there."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.items:
             return []
-        out = self.runner.run(batch)
+        out = self.runner.run(batch, before_launch)
         updates = self.scheduler.postprocess(batch, out)
         # Host time per step next to device time per step: the share of a step the GPU waits on Python.
         wall = time.perf_counter() - t0

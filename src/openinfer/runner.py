@@ -1,6 +1,8 @@
 """Packs a scheduled step into the flat arrays of the backend step interface and runs it."""
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
 from .backend import StepOutput
@@ -43,6 +45,9 @@ class Runner:
             num_logprobs=max((it.seq.params.logprobs or 0 for it in sampled), default=0),
         )
 
-    def run(self, batch: ScheduledBatch) -> StepOutput:
+    def run(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> StepOutput:
         """Runs one step; StepOutput rows follow the batch's sampling items in order."""
-        return self.backend.step(**self.pack(batch, self.block_size))
+        args = self.pack(batch, self.block_size)
+        if before_launch is not None:
+            before_launch()
+        return self.backend.step(**args)

@@ -1,9 +1,10 @@
 """AsyncEngine: the synchronous LLMEngine step loop in its own thread, fed from asyncio.
 
 The engine is not thread-safe, so only the loop thread touches it: requests and aborts arrive on a
-thread-safe inbox, and updates go back to each request group's asyncio.Queue through
-`loop.call_soon_threadsafe`. The backend's step releases the GIL, so the event loop keeps serving
-HTTP while a step runs.
+thread-safe inbox, and updates go back to each request group's asyncio.Queue through one
+`loop.call_soon_threadsafe` per step. The backend's step releases the GIL, so the event loop keeps
+serving HTTP while a step runs; a step's updates are handed over from `engine.step(before_launch=...)`
+of the next step, right before that step's device work.
 """
 
 from __future__ import annotations
@@ -169,29 +170,54 @@ class AsyncEngine:
                 log.exception("abort_request(%s) after a failed step failed", rid)
         self._subs.clear()
 
+    def _post_updates(self, updates: list) -> None:
+        # One wake-up of the event loop per step, not one per update: each wake is a syscall during
+        # which the event loop may take the GIL from this thread.
+        batches: dict = {}
+        for u in updates:
+            sub = self._subs.get(u.request_id)
+            if sub is None:
+                continue  # aborted meanwhile
+            if u.finished:
+                del self._subs[u.request_id]
+            batches.setdefault(sub.group._loop, []).append((sub.group.queue, (sub.index, u)))
+        for loop, items in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # event loop closed: the server is shutting down
+                pass
+
     def _run(self) -> None:
+        # A step's updates are posted just before the next step launches, not as soon as they exist:
+        # waking the event loop makes it take the GIL for the SSE writes, and done while the engine
+        # thread still schedules, that work lands between two GPU steps instead of under one.
+        pending: list = []
+
+        def flush() -> None:
+            nonlocal pending
+            updates, pending = pending, []
+            self._post_updates(updates)
+
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished()
+                if not busy:
+                    flush()
                 if self._drain(block=not busy) or not busy:
                     self._refresh_stats()
                 if not self.engine.has_unfinished():
                     continue
                 try:
-                    updates = self.engine.step()
+                    updates = self.engine.step(before_launch=flush)
                 except Exception as e:
                     log.exception("engine step failed; failing the requests in flight")
+                    flush()
                     self._fail_all(e)
                     self._refresh_stats()
                     continue
+                flush()  # no-op unless nothing launched (nothing could be scheduled)
+                pending = updates
                 self.step_count += 1
-                for u in updates:
-                    sub = self._subs.get(u.request_id)
-                    if sub is None:
-                        continue  # aborted meanwhile
-                    if u.finished:
-                        del self._subs[u.request_id]
-                    sub.group._post((sub.index, u))
                 self._refresh_stats()
         except Exception as e:  # the loop itself broke: /health turns 503
             self.fatal = e
@@ -199,6 +225,10 @@ class AsyncEngine:
             self._fail_all(EngineDeadError("engine loop died"))
         finally:
             self._stop.set()
+            try:
+                flush()
+            except Exception:
+                log.exception("posting the last updates failed")
             if self._subs:  # shutdown with requests in flight: end them rather than leave them hanging
                 self._fail_all(EngineDeadError("the server is shutting down"))
             self._refuse_queued()
@@ -212,6 +242,11 @@ class AsyncEngine:
                 return
             if msg[0] == "add":
                 _settle_from_thread(msg[6], msg[5], EngineDeadError("the engine loop is not running"))
+
+
+def _deliver(items: list) -> None:
+    for q, item in items:
+        q.put_nowait(item)
 
 
 def _settle_from_thread(loop, fut: asyncio.Future, exc: BaseException | None) -> None:
