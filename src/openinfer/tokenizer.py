@@ -114,8 +114,7 @@ class IncrementalDetokenizer:
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
-        self.text = ""  # decoded text so far (emitted + held back), truncated at a stop string
-        self.emitted = 0  # characters of self.text already returned
+        self.tail = ""  # decoded but not yet returned (at most `holdback` characters between calls)
         self.stopped = False
 
     def add_token(self, token_id: int) -> tuple[str, bool]:
@@ -139,22 +138,21 @@ class IncrementalDetokenizer:
     def _append(self, new: str) -> tuple[str, bool]:
         if not new:
             return "", False
-        start = max(0, len(self.text) - self.holdback)  # a stop string may begin in the held tail
-        self.text += new
+        # A stop string cannot start in text already returned: only the tail and the new text are
+        # searched, and only they are kept (no copy of the whole output per token).
+        buf = self.tail + new
         if self.stop:
-            hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+            hits = [i for i in (buf.find(s) for s in self.stop) if i >= 0]
             if hits:
-                self.text = self.text[:min(hits)]
+                self.tail = ""
                 self.stopped = True
-                return self._take(len(self.text)), True
-        return self._take(len(self.text) - self.holdback), False
-
-    def _take(self, upto: int) -> str:
-        if upto <= self.emitted:
-            return ""
-        out = self.text[self.emitted:upto]
-        self.emitted = upto
-        return out
+                return buf[:min(hits)], True
+        cut = len(buf) - self.holdback
+        if cut <= 0:
+            self.tail = buf
+            return "", False
+        self.tail = buf[cut:]
+        return buf[:cut], False
 
     def flush(self) -> str:
         """Releases everything held back; call once when the request finishes."""
@@ -167,4 +165,5 @@ class IncrementalDetokenizer:
             window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
             self.prefix_offset = self.read_offset = len(self.ids)
             out, _ = self._append(window[len(prefix):])
-        return out + self._take(len(self.text))
+        out, self.tail = out + self.tail, ""
+        return out
