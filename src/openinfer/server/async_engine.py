@@ -85,6 +85,8 @@ class RequestGroup:
 
 
 class AsyncEngine:
+    STATS_PERIOD_S = 0.01  # while busy, the metrics snapshot is refreshed at most this often
+
     def __init__(self, engine: Any, idle_poll_s: float = 0.05):
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
@@ -93,6 +95,7 @@ class AsyncEngine:
         self._idle_poll_s = idle_poll_s
         self._ids = itertools.count()
         self.stats: dict = {}  # snapshot of engine.stats(), replaced (never mutated) by the loop
+        self._stats_at = 0.0
         self.step_count = 0
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
@@ -122,6 +125,7 @@ class AsyncEngine:
 
     # -- engine thread
     def _refresh_stats(self) -> None:
+        self._stats_at = time.perf_counter()
         try:
             s = self.engine.stats()
             self.stats = dict(s) if isinstance(s, dict) else dict(vars(s))
@@ -218,7 +222,8 @@ class AsyncEngine:
                 flush()  # no-op unless nothing launched (nothing could be scheduled)
                 pending = updates
                 self.step_count += 1
-                self._refresh_stats()
+                if time.perf_counter() - self._stats_at >= self.STATS_PERIOD_S:  # idle refreshes always
+                    self._refresh_stats()
         except Exception as e:  # the loop itself broke: /health turns 503
             self.fatal = e
             log.exception("engine loop died")
