@@ -29,7 +29,7 @@ class LLMEngine:
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_model_dir(config.model_path)
-        # the detokenizer's byte table (~0.2 s) builds while the weights load (that part drops the GIL)
+        # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
         threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
         self.backend = self._make_backend()
         self._timing = dict(steps=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)

@@ -25,17 +25,22 @@ class Tokenizer:
         eos = eos.get("content") if isinstance(eos, dict) else eos
         eos_id = hf.token_to_id(eos) if eos else None
         self.eos_token_ids: tuple[int, ...] = (eos_id,) if eos_id is not None else ()
-        self._byte_tables: dict[bool, list[bytes] | None] = {}
+        self._byte_tables: dict[bool, list[bytes] | None] = {}  # by skip_special_tokens
+        self._special_ids = {i for i, t in hf.get_added_tokens_decoder().items() if t.special}
 
     def byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
         """The bytes each id decodes to, when the decoder is plain byte-level BPE (Qwen3's): then the
         text of ids is the lossy UTF-8 decoding of the concatenated bytes, which a streaming UTF-8
         decoder reproduces with one table lookup per token. None for any other decoder."""
-        if skip_special_tokens not in self._byte_tables:
-            self._byte_tables[skip_special_tokens] = self._build_byte_table(skip_special_tokens)
-        return self._byte_tables[skip_special_tokens]
+        tables = self._byte_tables
+        if False not in tables:
+            tables[False] = self._build_byte_table()
+        if skip_special_tokens and True not in tables:
+            full = tables[False]
+            tables[True] = None if full is None else [b"" if i in self._special_ids else t for i, t in enumerate(full)]
+        return tables[skip_special_tokens]
 
-    def _build_byte_table(self, skip_special_tokens: bool) -> list[bytes] | None:
+    def _build_byte_table(self) -> list[bytes] | None:
         if type(self._tok.decoder).__name__ != "ByteLevel" or type(self._tok.model).__name__ != "BPE":
             return None
         # GPT-2's byte -> printable-character map, inverted: printable Latin-1 bytes stand for
@@ -51,10 +56,9 @@ class Tokenizer:
                 inverse[b] = 0xFFFF
                 n += 1
         trans = {c: chr(b) for c, b in inverse.items()}
-        special = {i for i, t in self._tok.get_added_tokens_decoder().items() if t.special}
         table = [b""] * self.vocab_size  # ids without a token decode to nothing
         for t, i in self._tok.get_vocab(with_added_tokens=True).items():
-            if i >= self.vocab_size or (skip_special_tokens and i in special):
+            if i >= self.vocab_size:
                 continue
             try:
                 table[i] = t.translate(trans).encode("latin-1")
