@@ -4,9 +4,10 @@
 #
 #   STAGES="kernels graphs model server bench" bash bench/gpu_session.sh
 #
-# Stages: kernels (tests/test_gpu_kernels.py), graphs (graph == eager, 32B random load),
+# Stages: kernels (tests/test_gpu_kernels.py, ~6 min), kquick (its GEMV/attention subset, ~1 min),
+# ncu (per-kernel times of one 4B batch-1 decode step), graphs (graph == eager, 32B random load),
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
-# CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the PyTorch peer in the same call),
+# CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
 # kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), footprint.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,6 +22,11 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
   echo "== $stage"
   case $stage in
     kernels) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tail -3 ;;
+    kquick) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
+              -k "gemv or (paged_attention and not 32k and 4b) or fills_gpu or (split_attention_equals and 1024)" 2>&1 | tail -3 ;;
+    ncu) ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
+           python3 bench/profile_step.py --preset qwen3-4b --batch 1 --ctx 1024 > "$OUT/ncu_b1.csv" 2>/dev/null
+         python3 bench/ncu_summary.py "$OUT/ncu_b1.csv" | head -12 ;;
     graphs) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_random32b.py 2>&1 | tail -3 ;;
     model) python3 -m pytest -q -rxX -s -p no:cacheprovider tests/test_gpu_model.py 2>&1 | tee "$OUT/model.log" |
              grep -E "rel err|identical to HF|passed|failed|XFAIL" ;;
@@ -28,7 +34,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
               python3 -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_server_tools.py 2>&1 | tail -3 ;;
     bench) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --out "$OUT/engine_4b.json" | tail -6
            python3 bench/bench_engine.py --preset qwen3-8b,qwen3-32b --batches 1 --out "$OUT/engine_8b_32b.json" | tail -5
-           [ -f .peers/torch_peer.py ] && python3 .peers/torch_peer.py 4b 1024 1,8,32,64 | tee "$OUT/torch_peer.log" ;;
+           [ -f .peers/torch_peer.py ] && timeout 300 python3 .peers/torch_peer.py 4b 1024 1,8,32,64 --compile |
+             tee "$OUT/torch_peer.log" ;;
     kbench) python3 bench/bench_kernels.py --out "$OUT/kernels.json" ;;
     sweep) need_4b && POINT_SECONDS=${POINT_SECONDS:-8} SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b \
              bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/sweep" | tail -16 ;;

@@ -1,20 +1,42 @@
-import csv, sys, collections
-rows = list(csv.reader(open(sys.argv[1])))
-# find header
-hi = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
-h = rows[hi]; data = rows[hi + 1:]
-ki, mi, vi = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value")
-per = collections.OrderedDict()
-seq = []
-for r in data:
-    if len(r) <= vi: continue
-    if r[mi] != "gpu__time_duration.sum": continue
-    name = r[ki].split("(")[0].split("<")[0][:40] + ("<" + r[ki].split("<")[1].split(">")[0] + ">" if "<" in r[ki] else "")
-    v = float(r[vi].replace(",", ""))
-    seq.append((name, v))
-    a = per.setdefault(name, [0, 0.0]); a[0] += 1; a[1] += v
-tot = sum(v for _, v in seq)
-print(f"kernels {len(seq)} total {tot/1e3:.1f} us (unit as reported)")
-for n, (c, s) in sorted(per.items(), key=lambda x: -x[1][1]):
-    print(f"{n:70s} n={c:4d} sum={s:10.0f} mean={s/c:8.0f}")
-print("first layer sequence:", [(n[:30], round(v)) for n, v in seq[:12]])
+"""Per-kernel totals from an `ncu --csv --metrics gpu__time_duration.sum` log (bench/profile_step.py).
+
+  python bench/ncu_summary.py ncu_b1.csv
+"""
+from __future__ import annotations
+
+import collections
+import csv
+import sys
+
+TO_US = {"nsecond": 1e-3, "ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3}
+
+
+def short_name(full: str) -> str:
+    """`void oi::<unnamed>::gemv_kernel<1, 1, 0>(GemvArgs, int, int)` -> `gemv_kernel<1, 1, 0>`."""
+    name = full.removeprefix("void ")
+    for anon in ("(anonymous namespace)::", "<unnamed>::", "unnamed>::"):
+        name = name.replace(anon, "")
+    name = name[:name.index(">(") + 1] if ">(" in name else name.split("(")[0]  # drop the parameters
+    scope = name.split("<")[0].rfind("::")
+    return name[scope + 2:] if scope >= 0 else name
+
+
+def main(path: str) -> None:
+    rows = list(csv.reader(open(path)))
+    start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+    head = rows[start]
+    k, m, v, u = (head.index(c) for c in ("Kernel Name", "Metric Name", "Metric Value", "Metric Unit"))
+    seq = [(short_name(r[k]), float(r[v].replace(",", "")) * TO_US.get(r[u], 1.0))
+           for r in rows[start + 1:] if len(r) > v and r[m] == "gpu__time_duration.sum"]
+    per: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for name, us in seq:
+        per[name][0] += 1
+        per[name][1] += us
+    print(f"{len(seq)} kernels, {sum(us for _, us in seq):.1f} us in total")
+    for name, (n, total) in sorted(per.items(), key=lambda x: -x[1][1]):
+        print(f"{name:48s} x{n:<4d} {total:10.1f} us  {total / n:8.1f} us each")
+    print("first 12 launches:", ", ".join(f"{name} {us:.1f}" for name, us in seq[:12]))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
