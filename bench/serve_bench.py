@@ -353,6 +353,27 @@ async def _discover_model(client, base_url: str) -> str | None:
     return None
 
 
+async def _scrape_metrics(client, base_url: str) -> dict[str, float]:
+    """Unlabelled sums of a Prometheus /metrics page (`_total` dropped); {} when there is none."""
+    try:
+        r = await client.get(base_url.rstrip("/") + "/metrics", timeout=5.0)
+        if r.status_code != 200:
+            return {}
+    except Exception:  # not every server has /metrics
+        return {}
+    out: dict[str, float] = {}
+    for line in r.text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        try:
+            name, value = line.rsplit(" ", 1)
+            key = name.split("{")[0].removesuffix("_total")
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            continue
+    return out
+
+
 async def benchmark(*, base_url: str, requests: list[SampleRequest], model: str | None = None,
                     endpoint: str = "/v1/completions", request_rate: float = math.inf,
                     burstiness: float = 1.0, max_concurrency: int | None = None, seed: int = 0,
@@ -391,6 +412,7 @@ async def benchmark(*, base_url: str, requests: list[SampleRequest], model: str 
             t = await send(requests[0])
             if not t.success:
                 raise RuntimeError(f"initial test request failed: {t.error}")
+        metrics0 = await _scrape_metrics(client, base_url)
 
         sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
         done = 0
@@ -436,6 +458,7 @@ async def benchmark(*, base_url: str, requests: list[SampleRequest], model: str 
                 tasks.append(asyncio.create_task(run_one(requests[i], False)))
             i += 1
         outputs: list[RequestOutput] = list(await asyncio.gather(*tasks))
+        metrics1 = await _scrape_metrics(client, base_url)
         # Client CPU over the run: near 1.0 means the (single-threaded) client, not the server,
         # may be what limits the measured ITL / throughput.
         client_cpu = (time.process_time() - cpu0) / max(time.perf_counter() - t0, 1e-9)
@@ -465,6 +488,13 @@ async def benchmark(*, base_url: str, requests: list[SampleRequest], model: str 
     ok_lat = [o.latency for o in outputs if o.success]
     m["keepup_request_rate"] = (len(outputs) / (send_span + min(ok_lat))
                                 if ok_lat and send_span + min(ok_lat) > 0 else request_rate)
+    # openinfer servers only: the share of the engine loop's busy time the GPU was computing.
+    busy = metrics1.get("openinfer_engine_busy_seconds", 0.0) - metrics0.get("openinfer_engine_busy_seconds", 0.0)
+    if busy > 0:
+        gpu = metrics1.get("openinfer_step_gpu_seconds", 0.0) - metrics0.get("openinfer_step_gpu_seconds", 0.0)
+        m["server_gpu_busy_fraction"] = round(gpu / busy, 4)
+        m["server_engine_steps"] = (metrics1.get("openinfer_engine_steps", 0.0)
+                                    - metrics0.get("openinfer_engine_steps", 0.0))
     m.update(model_id=model, num_requests_sent=len(outputs),
              prompts_reused=max(0, len(outputs) - len(requests)), request_rate=request_rate,
              burstiness=burstiness, max_concurrency=max_concurrency)

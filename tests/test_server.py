@@ -125,6 +125,7 @@ def test_completion_non_stream_usage_and_max_tokens(server, client):
     # step timing: wall time inside steps accrues; host time = wall - GPU (CUDA events) is exported
     assert metric(server.url, "openinfer_step_wall_seconds_total") > 0
     assert metric(server.url, "openinfer_last_step_host_ms") >= 0
+    assert metric(server.url, "openinfer_engine_busy_seconds_total") >= metric(server.url, "openinfer_step_wall_seconds_total")
 
 
 def test_completion_stream_matches_non_stream(server, client):

@@ -97,6 +97,7 @@ class AsyncEngine:
         self.stats: dict = {}  # snapshot of engine.stats(), replaced (never mutated) by the loop
         self._stats_at = 0.0
         self.step_count = 0
+        self.busy_seconds = 0.0  # wall time of loop iterations that ran a step (GPU share: gpu_s / this)
         self.fatal: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
 
@@ -204,10 +205,12 @@ class AsyncEngine:
 
         try:
             while not self._stop.is_set():
+                t_iter = time.perf_counter()
                 busy = self.engine.has_unfinished()
-                if not busy:
+                if not busy:  # publish everything before waiting for work
                     flush()
-                if self._drain(block=not busy) or not busy:
+                    self._refresh_stats()
+                if self._drain(block=not busy):
                     self._refresh_stats()
                 if not self.engine.has_unfinished():
                     continue
@@ -222,6 +225,7 @@ class AsyncEngine:
                 flush()  # no-op unless nothing launched (nothing could be scheduled)
                 pending = updates
                 self.step_count += 1
+                self.busy_seconds += time.perf_counter() - t_iter
                 if time.perf_counter() - self._stats_at >= self.STATS_PERIOD_S:  # idle refreshes always
                     self._refresh_stats()
         except Exception as e:  # the loop itself broke: /health turns 503

@@ -56,6 +56,9 @@ class _EngineCollector:
         yield counter("openinfer_step_wall_seconds", "Wall time inside engine steps", stat(s, "step_wall_seconds"))
         yield counter("openinfer_step_gpu_seconds", "GPU time of engine steps (CUDA events)",
                       stat(s, "step_gpu_seconds"))
+        yield counter("openinfer_engine_busy_seconds", "Wall time of engine-loop iterations that ran a step "
+                      "(step + scheduling + handing updates to HTTP); GPU share = step_gpu / this",
+                      self.ae.busy_seconds)
         yield gauge("openinfer_last_step_host_ms", "Host (Python + copies) time of the last step: wall minus GPU",
                     stat(s, "last_step_host_ms"))
         yield gauge("openinfer_last_step_gpu_ms", "GPU time of the last step", stat(s, "last_step_gpu_ms"))
