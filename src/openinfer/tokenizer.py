@@ -125,10 +125,10 @@ class IncrementalDetokenizer:
         """Feeds one token; returns (text delta to emit now, whether a stop string was hit)."""
         if self.stopped:
             return "", True
-        self.ids.append(token_id)
         if self._utf8 is not None:
             b = self._bytes[token_id] if 0 <= token_id < len(self._bytes) else b""
             return self._append(self._utf8.decode(b))
+        self.ids.append(token_id)  # the window method re-decodes from these
         prefix = self.tok.decode(self.ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
         window = self.tok.decode(self.ids[self.prefix_offset:], self.skip_special_tokens)
         pending = len(self.ids) - self.read_offset
