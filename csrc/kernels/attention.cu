@@ -275,22 +275,29 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   for (int i = tid; i < (rows + kR - 1) / kR * 32; i += kThreads) {
     const int d = (i % 32) * 4, r0 = (i / 32) * kR;
     float acc[kR][4] = {};
-    for (int sp = 0; sp < S; ++sp) {
-      float4 v[kR];
+    constexpr int kU = 4;  // splits per round: kU * kR loads in flight per thread, summed in split order
+    for (int sp0 = 0; sp0 < S; sp0 += kU) {
+      float4 v[kU][kR];
+      float wg[kU][kR];
 #pragma unroll
-      for (int q = 0; q < kR; ++q)
-        if (r0 + q < rows && s_w[(r0 + q) * S + sp] != 0.f)  // empty splits wrote zeros: skip the read
-          v[q] = __ldcg(reinterpret_cast<const float4*>(a.ws_o + (sp * split_stride + row_index(r0 + q)) * kD + d));
-        else
-          v[q] = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int u = 0; u < kU; ++u)
 #pragma unroll
-      for (int q = 0; q < kR; ++q) {
-        const float wgt = r0 + q < rows ? s_w[(r0 + q) * S + sp] : 0.f;
-        acc[q][0] += wgt * v[q].x;
-        acc[q][1] += wgt * v[q].y;
-        acc[q][2] += wgt * v[q].z;
-        acc[q][3] += wgt * v[q].w;
-      }
+        for (int q = 0; q < kR; ++q) {
+          const int sp = sp0 + u;
+          wg[u][q] = sp < S && r0 + q < rows ? s_w[(r0 + q) * S + sp] : 0.f;
+          v[u][q] = wg[u][q] != 0.f  // empty splits wrote nothing: skip the read
+                        ? __ldcg(reinterpret_cast<const float4*>(a.ws_o + (sp * split_stride + row_index(r0 + q)) * kD + d))
+                        : make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+#pragma unroll
+      for (int u = 0; u < kU; ++u)
+#pragma unroll
+        for (int q = 0; q < kR; ++q) {
+          acc[q][0] += wg[u][q] * v[u][q].x;
+          acc[q][1] += wg[u][q] * v[u][q].y;
+          acc[q][2] += wg[u][q] * v[u][q].z;
+          acc[q][3] += wg[u][q] * v[u][q].w;
+        }
     }
 #pragma unroll
     for (int q = 0; q < kR; ++q) {
