@@ -70,6 +70,11 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   // uses few splits, and the rest exit at once.
   const int chunk = max(kAttnMinChunk, ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) /
                                            kAttnChunkAlign * kAttnChunkAlign);
+  // Splits past this item's keys do nothing: they exit before touching memory, and the item's merge
+  // counts and reads only the `used` ones (one used split writes the output directly).
+  const int used = min(a.num_splits, (kv_end + chunk - 1) / chunk);
+  if (split >= used) return;
+  const bool direct = used == 1;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
 
@@ -217,7 +222,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     if (r >= rows) continue;
     const int t = w.tok_start + r / group, h = kvh * group + r % group;
     const float inv = l[h2] > 0.f ? 1.f / l[h2] : 0.f;
-    if (a.num_splits == 1) {
+    if (direct) {
       bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
 #pragma unroll
       for (int dn = 0; dn < kD / 8; ++dn)
@@ -232,7 +237,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       if (c == 0) a.ws_lse[idx] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
     }
   }
-  if (a.num_splits == 1) return;
+  if (direct) return;
 
   // The last split of this (item, KV head) to finish merges all splits: no second kernel. The sum runs
   // in split order whichever block is last, so results do not depend on timing.
@@ -241,7 +246,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   if (tid == 0) {
     int* cnt = a.counters + blockIdx.x * gridDim.y + kvh;
     const int prev = atomicAdd(cnt, 1);
-    s_last = prev == a.num_splits - 1;
+    s_last = prev == used - 1;
     if (s_last) *cnt = 0;  // ready for the next launch
   }
   __syncthreads();
@@ -249,9 +254,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   __threadfence();
   // Merge. The splits' log-sum-exps of every row go to shared memory in one parallel read (sQ is free
   // now), then each thread merges 4 dims of up to 4 rows with all their loads in flight together.
-  float* s_w = reinterpret_cast<float*>(smem_raw);  // [rows][num_splits] weights, then [rows] 1/sum
+  float* s_w = reinterpret_cast<float*>(smem_raw);  // [rows][used] weights, then [rows] 1/sum
   float* s_inv = s_w + kAttnMaxRowsPerBlock * kAttnMaxSplits;
-  const int S = a.num_splits;
+  const int S = used;
   const int64_t split_stride = (int64_t)a.num_tokens * a.num_heads;
   auto row_index = [&](int r) { return (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group; };
   for (int i = tid; i < rows * S; i += kThreads) s_w[i] = __ldcg(a.ws_lse + (i % S) * split_stride + row_index(i / S));
