@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "async_copy.cuh"
 #include "attention.cuh"
 
 namespace oi {
@@ -9,15 +10,6 @@ namespace {
 constexpr int kD = 128;
 constexpr int kLd = kD + 8;  // padded smem row (272 B): fragment loads and ldmatrix stay conflict-free
 constexpr float kNegInf = -INFINITY;
-
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  // src-size 0 zero-fills: keys past the range (and pages that do not exist) become finite zeros
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // D += A(16x16, bf16, row) * B(16x8, bf16, col), fp32 accumulate.
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -66,10 +58,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   const int rows = w.num_tok * group;
   const int ctx = a.context_lens[w.seq];
   const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;  // causal bound of the item's last token
-  // Splits cover at least kAttnMinChunk keys: a short context under a graph's (long-context) split count
-  // uses few splits, and the rest exit at once.
-  const int chunk = max(kAttnMinChunk, ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) /
-                                           kAttnChunkAlign * kAttnChunkAlign);
+  // Whole aligned chunks: a short context under a graph's (long-context) split count uses few splits.
+  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
   // Splits past this item's keys do nothing: they exit before touching memory, and the item's merge
   // counts and reads only the `used` ones (one used split writes the output directly).
   const int used = min(a.num_splits, (kv_end + chunk - 1) / chunk);
@@ -340,7 +330,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   const int target = 5 * num_sms;  // decode blocks (one warp, 39 KB) fit five per SM
   if (blocks >= target || num_tokens <= 0) return 1;
   int splits = (target + blocks - 1) / blocks;
-  splits = std::min(splits, std::max(1, max_context / kAttnMinChunk));
+  splits = std::min(splits, std::max(1, max_context / kAttnChunkAlign));
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
   return std::max(1, std::min(splits, kAttnMaxSplits));
 }

@@ -1,5 +1,6 @@
 #include <algorithm>
 
+#include "async_copy.cuh"
 #include "gemv.cuh"
 
 namespace oi {
@@ -11,10 +12,6 @@ constexpr int kChunk = 256;              // K elements one warp covers with one 
 constexpr int kL = 12;                   // weight loads in flight per lane (chunks per round)
 constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(gmem), "r"(valid ? 16 : 0));
-}
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
@@ -60,8 +57,8 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     for (int m = 0; m < MT; ++m) cp_async16(sx + (int64_t)m * K + k, a.x + (int64_t)(m < a.M ? m : 0) * K + k, m < a.M);
     if (IN == (int)GemvIn::kRmsNorm) cp_async16(snw + k, a.norm_w + k, true);
   }
-  asm volatile("cp.async.commit_group;\n" ::);
-  asm volatile("cp.async.wait_group 0;\n" ::);
+  cp_async_commit();
+  cp_async_wait<0>();
   __syncthreads();
 
   // Prologue: RMSNorm in place, each thread on the elements it staged (the rmsnorm kernel's roundings).
