@@ -214,7 +214,7 @@ void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, in
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
-  const int mt = a.M <= 1 ? 1 : 2;
+  const int mt = a.M <= 1 ? 1 : a.M <= 2 ? 2 : 4;
   const size_t smem = (size_t)(mt + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
   if (smem > kMaxSmem) return false;
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
@@ -224,7 +224,8 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
   if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
   switch (mt) {
     case 1: dispatch<1>(a, in, out, sw, smem, num_sms, s); break;
-    default: dispatch<2>(a, in, out, sw, smem, num_sms, s); break;
+    case 2: dispatch<2>(a, in, out, sw, smem, num_sms, s); break;
+    default: dispatch<4>(a, in, out, sw, smem, num_sms, s); break;
   }
   return true;
 }
