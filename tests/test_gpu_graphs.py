@@ -101,3 +101,27 @@ def test_cuda_graph_off_generates_the_same(engine, tmp_path):
 def test_graph_buckets(engine):
     """Powers of two plus one step between, from 16 on (13 graphs for 256 sequences)."""
     assert list(engine.llm_engine.backend.eng.graph_batches) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+
+
+def test_overlapped_decode_generates_the_same(engine):
+    """Decode steps launched before the previous step's tokens reach the host (fed on the device from
+    the graph arena) give the synchronous loop's tokens, with sampled rows, stops and mixed lengths."""
+    import openinfer
+
+    le = engine.llm_engine
+    prompts = ["The capital of France is", "def f(x):", "1, 2, 3,", "Once upon a time " * 40]
+    params = [openinfer.SamplingParams(max_tokens=n, temperature=t, seed=7, ignore_eos=True)
+              for n, t in ((24, 0.0), (9, 0.8), (31, 0.0), (17, 0.7))]
+    le._overlap = False
+    sync = [o.token_ids for o in engine.generate(prompts, params)]
+    stop = [openinfer.SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[t[5]]) for t in sync]
+    sync_stop = [o.token_ids for o in engine.generate(prompts, stop)]
+    le._overlap = True
+    before = le.stats()["overlapped_steps"]
+    try:
+        assert [o.token_ids for o in engine.generate(prompts, params)] == sync
+        assert [o.token_ids for o in engine.generate(prompts, stop)] == sync_stop
+    finally:
+        le._overlap = le.config.overlap_steps
+    assert le.stats()["overlapped_steps"] > before + 40
+    assert le.stats()["kv_blocks_used"] == 0 and le.backend.eng.pending == 0

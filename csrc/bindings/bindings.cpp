@@ -76,7 +76,47 @@ Gemm& ops_gemm() {
   return *g;
 }
 
+HostStep host_step(const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
+                   const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,
+                   const Arr<int32_t>& sample_idx, const Arr<float>& temperature, const Arr<float>& top_p,
+                   const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits,
+                   bool force_eager) {
+  HostStep h;
+  h.T = (int)input_ids.size();
+  h.B = (int)context_lens.size();
+  h.S = (int)sample_idx.size();
+  if (block_tables.ndim() != 2 || block_tables.shape(0) != h.B) throw std::invalid_argument("block_tables must be [B, M]");
+  h.bt_stride = (int)block_tables.shape(1);
+  need(positions, h.T, "positions");
+  need(slot_mapping, h.T, "slot_mapping");
+  need(qsl, h.B + 1, "query_start_loc");
+  need(temperature, h.S, "temperature");
+  need(top_p, h.S, "top_p");
+  need(top_k, h.S, "top_k");
+  need(seeds, h.S, "seeds");
+  h.ids = ptr(input_ids); h.positions = ptr(positions); h.query_start_loc = ptr(qsl);
+  h.context_lens = ptr(context_lens); h.block_tables = ptr(block_tables); h.slots = ptr(slot_mapping);
+  h.sample_idx = ptr(sample_idx); h.temperature = ptr(temperature); h.top_p = ptr(top_p);
+  h.top_k = ptr(top_k); h.seeds = ptr(seeds); h.num_logprobs = num_logprobs; h.return_logits = return_logits;
+  h.force_eager = force_eager;
+  return h;
+}
+
+py::tuple result_tuple(const StepResult& r, py::ssize_t S, py::ssize_t N, bool logits_wanted) {
+  py::object logits = py::none();
+  if (logits_wanted) logits = to_numpy(r.logits, {S, (py::ssize_t)(r.logits.size() / std::max<py::ssize_t>(S, 1))});
+  return py::make_tuple(to_numpy(r.tokens, {S}), to_numpy(r.logprobs, {S}), to_numpy(r.top_ids, {S, N}),
+                        to_numpy(r.top_logprobs, {S, N}), logits, r.gpu_ms);
+}
+
+#define STEP_ARGS                                                                                                   \
+  py::arg("input_ids"), py::arg("positions"), py::arg("query_start_loc"), py::arg("context_lens"),                 \
+      py::arg("block_tables"), py::arg("slot_mapping"), py::arg("sample_idx"), py::arg("temperature"),             \
+      py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("num_logprobs") = 0, py::arg("return_logits") = false, \
+      py::arg("force_eager") = false
+
 }  // namespace
+
 
 PYBIND11_MODULE(_engine, m) {
   m.doc() = "openinfer CUDA engine";
@@ -140,40 +180,47 @@ PYBIND11_MODULE(_engine, m) {
               const Arr<int32_t>& sample_idx, const Arr<float>& temperature, const Arr<float>& top_p,
               const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits,
               bool force_eager) {
-             HostStep h;
-             h.T = (int)input_ids.size();
-             h.B = (int)context_lens.size();
-             h.S = (int)sample_idx.size();
-             if (block_tables.ndim() != 2 || block_tables.shape(0) != h.B)
-               throw std::invalid_argument("block_tables must be [B, M]");
-             h.bt_stride = (int)block_tables.shape(1);
-             need(positions, h.T, "positions");
-             need(slot_mapping, h.T, "slot_mapping");
-             need(qsl, h.B + 1, "query_start_loc");
-             need(temperature, h.S, "temperature");
-             need(top_p, h.S, "top_p");
-             need(top_k, h.S, "top_k");
-             need(seeds, h.S, "seeds");
-             h.ids = ptr(input_ids); h.positions = ptr(positions); h.query_start_loc = ptr(qsl);
-             h.context_lens = ptr(context_lens); h.block_tables = ptr(block_tables); h.slots = ptr(slot_mapping);
-             h.sample_idx = ptr(sample_idx); h.temperature = ptr(temperature); h.top_p = ptr(top_p);
-             h.top_k = ptr(top_k); h.seeds = ptr(seeds); h.num_logprobs = num_logprobs; h.return_logits = return_logits;
-             h.force_eager = force_eager;
+             const HostStep h = host_step(input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx,
+                                          temperature, top_p, top_k, seeds, num_logprobs, return_logits, force_eager);
              StepResult r;
              {
                py::gil_scoped_release nogil;
                r = e.step(h);
              }
-             const py::ssize_t S = h.S, N = num_logprobs;
-             py::object logits = py::none();
-             if (return_logits) logits = to_numpy(r.logits, {S, (py::ssize_t)(r.logits.size() / std::max<py::ssize_t>(S, 1))});
-             return py::make_tuple(to_numpy(r.tokens, {S}), to_numpy(r.logprobs, {S}), to_numpy(r.top_ids, {S, N}),
-                                   to_numpy(r.top_logprobs, {S, N}), logits, r.gpu_ms);
+             return result_tuple(r, h.S, num_logprobs, return_logits);
            },
-           py::arg("input_ids"), py::arg("positions"), py::arg("query_start_loc"), py::arg("context_lens"),
-           py::arg("block_tables"), py::arg("slot_mapping"), py::arg("sample_idx"), py::arg("temperature"),
-           py::arg("top_p"), py::arg("top_k"), py::arg("seeds"), py::arg("num_logprobs") = 0,
-           py::arg("return_logits") = false, py::arg("force_eager") = false);
+           STEP_ARGS)
+      .def("launch",
+           [](Engine& e, const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
+              const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,
+              const Arr<int32_t>& sample_idx, const Arr<float>& temperature, const Arr<float>& top_p,
+              const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, int num_logprobs, bool return_logits,
+              bool force_eager, const py::object& prev_rows) {
+             HostStep h = host_step(input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx,
+                                    temperature, top_p, top_k, seeds, num_logprobs, return_logits, force_eager);
+             Arr<int32_t> prev;
+             if (!prev_rows.is_none()) {
+               prev = prev_rows.cast<Arr<int32_t>>();
+               need(prev, h.B, "prev_rows");
+               h.prev_rows = ptr(prev);
+             }
+             py::gil_scoped_release nogil;  // inputs are staged before launch() returns
+             e.launch(h);
+           },
+           STEP_ARGS, py::arg("prev_rows") = py::none(),
+           "queue a step (at most two pending); prev_rows[b] >= 0 feeds row b the previous step's token")
+      .def("collect",
+           [](Engine& e) {
+             StepResult r;
+             {
+               py::gil_scoped_release nogil;
+               r = e.collect();
+             }
+             const py::ssize_t S = (py::ssize_t)r.tokens.size(), N = S ? (py::ssize_t)(r.top_ids.size() / S) : 0;
+             return result_tuple(r, S, N, !r.logits.empty());
+           },
+           "wait for the oldest launched step: (tokens, logprobs, top_ids, top_logprobs, logits or None, gpu_ms)")
+      .def_property_readonly("pending", &Engine::pending);
 
   // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");

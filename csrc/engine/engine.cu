@@ -4,6 +4,7 @@
 #include <stdexcept>
 #include <thread>
 
+#include "../kernels/elementwise.cuh"
 #include "../kernels/random_init.cuh"
 #include "engine.h"
 
@@ -94,7 +95,11 @@ Engine::~Engine() {
   }
   for (auto& g : graphs_)
     if (g.exec) cudaGraphExecDestroy(g.exec);
-  if (graph_host_) cudaFreeHost(graph_host_);
+  for (int i = 0; i < 2; ++i) {
+    if (graph_host_[i]) cudaFreeHost(graph_host_[i]);
+    for (cudaEvent_t e : graph_ev_[i])
+      if (e) cudaEventDestroy(e);
+  }
   gemm_.reset();
   for (void* p : allocations_) cudaFree(p);
   if (kv_cache_) cudaFree(kv_cache_);
@@ -255,7 +260,7 @@ int64_t Engine::finalize() {
     hs.ids = ids.data(); hs.positions = pos.data(); hs.query_start_loc = qsl; hs.context_lens = ctx;
     hs.block_tables = bt.data(); hs.slots = slots.data(); hs.sample_idx = sidx;
     hs.temperature = temp; hs.top_p = topp; hs.top_k = topk; hs.seeds = seed; hs.num_logprobs = 1;
-    run(hs, tmp, nb + 1);
+    run(hs, check(hs, nb + 1), tmp);
     OI_CUDA_CHECK(cudaFree(tmp));
   }
 
@@ -316,21 +321,29 @@ void Engine::capture_graphs() {
   ga_.ids = field(Bmax * 4); ga_.pos = field(Bmax * 4); ga_.slots = field(Bmax * 4); ga_.ctx = field(Bmax * 4);
   ga_.sidx = field(Bmax * 4); ga_.spos = field(Bmax * 4); ga_.topk = field(Bmax * 4); ga_.temp = field(Bmax * 4);
   ga_.topp = field(Bmax * 4); ga_.seeds = field(Bmax * 8); ga_.work = field(Bmax * sizeof(AttnWork));
-  ga_.tokens = field(Bmax * 4); ga_.logprobs = field(Bmax * 4);
+  ga_.prev = field(Bmax * 4);
   ga_.bt = field((size_t)Bmax * graph_bt_stride_ * 4);
+  // Outputs after the copied prefix: a step's input copy must not clobber the previous step's tokens,
+  // which an overlapped launch reads on the device (feed_tokens).
+  ga_.tokens = field(Bmax * 4); ga_.logprobs = field(Bmax * 4);
   ga_.bytes = off;
-  OI_CUDA_CHECK(cudaMallocHost(&graph_host_, ga_.bytes));
+  for (int i = 0; i < 2; ++i) {
+    OI_CUDA_CHECK(cudaMallocHost(&graph_host_[i], ga_.bytes));
+    for (cudaEvent_t& e : graph_ev_[i]) OI_CUDA_CHECK(cudaEventCreate(&e));
+  }
   graph_dev_ = static_cast<char*>(alloc(ga_.bytes, &act_bytes_));
   // Dummy decode rows for capture: block 0 is reserved, so nothing real is touched.
-  std::memset(graph_host_, 0, ga_.bytes);
+  char* h0 = graph_host_[0];
+  std::memset(h0, 0, ga_.bytes);
   for (int i = 0; i < Bmax; ++i) {
-    reinterpret_cast<int32_t*>(graph_host_ + ga_.slots)[i] = -1;
-    reinterpret_cast<int32_t*>(graph_host_ + ga_.ctx)[i] = 1;
-    reinterpret_cast<int32_t*>(graph_host_ + ga_.sidx)[i] = i;
-    reinterpret_cast<float*>(graph_host_ + ga_.topp)[i] = 1.f;
-    reinterpret_cast<AttnWork*>(graph_host_ + ga_.work)[i] = AttnWork{i, i, 1, 0};
+    reinterpret_cast<int32_t*>(h0 + ga_.slots)[i] = -1;
+    reinterpret_cast<int32_t*>(h0 + ga_.ctx)[i] = 1;
+    reinterpret_cast<int32_t*>(h0 + ga_.sidx)[i] = i;
+    reinterpret_cast<float*>(h0 + ga_.topp)[i] = 1.f;
+    reinterpret_cast<AttnWork*>(h0 + ga_.work)[i] = AttnWork{i, i, 1, 0};
   }
-  OI_CUDA_CHECK(cudaMemcpy(graph_dev_, graph_host_, ga_.bytes, cudaMemcpyHostToDevice));
+  std::memcpy(graph_host_[1], h0, ga_.bytes);  // the constant fields (sample_idx, work) live in both images
+  OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, ga_.bytes, cudaMemcpyHostToDevice));
   gemm_->set_autotune(true);  // time GEMM candidates for the decode shapes (dummy data, results unused)
   for (int b : sizes) {
     const StepMeta m = graph_meta(b);
@@ -357,7 +370,9 @@ void Engine::capture_graphs() {
 // Decode-only steps (one token per sequence, no logprobs or logits asked) run padded to the smallest
 // bucket that holds the batch, replaying its graph (or, with cuda_graph off or force_eager, the same
 // kernels launched eagerly: identical results). Padding rows read the reserved block 0 and write nothing.
-bool Engine::try_graph(const HostStep& in, StepResult* out) {
+// The step is only queued: its inputs go through one of two pinned arena images, so the next launch can
+// be staged while this one runs; finish_graph() waits for it.
+bool Engine::launch_graph(const HostStep& in) {
   if (graphs_.empty() || in.T != in.B || in.S != in.B || in.num_logprobs != 0 || in.return_logits) return false;
   const int B = in.B;
   const Graph* g = nullptr;
@@ -366,8 +381,10 @@ bool Engine::try_graph(const HostStep& in, StepResult* out) {
   if (!g) return false;
   for (int b = 0; b < B; ++b)
     if (in.query_start_loc[b] != b || in.sample_idx[b] != b) return false;
-  const int Bg = g->batch;
-  char* h = graph_host_;
+  const int Bg = g->batch, slot = graph_slot_;
+  for (const Pending& p : pending_) OI_CHECK(p.slot != slot, "graph arena image " << slot << " is still in flight");
+  graph_slot_ ^= 1;
+  char* h = graph_host_[slot];
   auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
   std::memcpy(h + ga_.ids, in.ids, B * 4);
   std::memcpy(h + ga_.pos, in.positions, B * 4);
@@ -378,9 +395,10 @@ bool Engine::try_graph(const HostStep& in, StepResult* out) {
   std::memcpy(h + ga_.temp, in.temperature, B * 4);
   std::memcpy(h + ga_.topp, in.top_p, B * 4);
   std::memcpy(h + ga_.seeds, in.seeds, B * 8);
+  if (in.prev_rows) std::memcpy(h + ga_.prev, in.prev_rows, B * 4);
   for (int b = B; b < Bg; ++b) {  // padding rows
     i32(ga_.ids)[b] = 0; i32(ga_.pos)[b] = 0; i32(ga_.slots)[b] = -1; i32(ga_.ctx)[b] = 1; i32(ga_.spos)[b] = 0;
-    i32(ga_.topk)[b] = 0;
+    i32(ga_.topk)[b] = 0; i32(ga_.prev)[b] = -1;
     reinterpret_cast<float*>(h + ga_.temp)[b] = 0.f;
     reinterpret_cast<float*>(h + ga_.topp)[b] = 1.f;
   }
@@ -393,30 +411,71 @@ bool Engine::try_graph(const HostStep& in, StepResult* out) {
     else row[0] = 0;
   }
   const size_t bytes = ga_.bt + (size_t)Bg * W * 4;
+  cudaEvent_t* ev = graph_ev_[slot];
   OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, bytes, cudaMemcpyHostToDevice, stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
+  if (in.prev_rows)  // the previous step's tokens are still in the arena's output field (stream order)
+    feed_tokens(reinterpret_cast<int32_t*>(graph_dev_ + ga_.ids), reinterpret_cast<const int32_t*>(graph_dev_ + ga_.prev),
+                reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens), Bg, stream_);
   if (g->exec && !in.force_eager) {
     OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
     ++graph_steps_;
   } else {
     qwen3_forward(d_, w_, act_, graph_meta(Bg), rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
   }
-  OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
-  OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bt - ga_.tokens, cudaMemcpyDeviceToHost, stream_));
-  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  OI_CUDA_CHECK(cudaEventElapsedTime(&out->gpu_ms, ev0_, ev1_));
-  out->tokens.assign(i32(ga_.tokens), i32(ga_.tokens) + B);
-  const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
-  out->logprobs.assign(lp, lp + B);
+  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bytes - ga_.tokens, cudaMemcpyDeviceToHost,
+                                stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
+  pending_.push_back(Pending{slot, B, {}});
   return true;
 }
 
-StepResult Engine::step(const HostStep& in) {
-  OI_CHECK(finalized_, "step() before finalize()");
-  return run(in, kv_cache_, num_blocks_);
+StepResult Engine::finish_graph(const Pending& p) {
+  cudaEvent_t* ev = graph_ev_[p.slot];
+  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+  StepResult out;
+  OI_CUDA_CHECK(cudaEventElapsedTime(&out.gpu_ms, ev[0], ev[1]));
+  const char* h = graph_host_[p.slot];
+  const int32_t* tok = reinterpret_cast<const int32_t*>(h + ga_.tokens);
+  out.tokens.assign(tok, tok + p.B);
+  const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
+  out.logprobs.assign(lp, lp + p.B);
+  return out;
 }
 
-StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
+StepResult Engine::step(const HostStep& in) {
+  OI_CHECK(pending_.empty(), "step() with " << pending_.size() << " launched steps not collected");
+  launch(in);
+  return collect();
+}
+
+void Engine::launch(const HostStep& in) {
+  OI_CHECK(finalized_, "launch() before finalize()");
+  OI_CHECK(pending_.size() < 2, "launch() with two steps already pending: collect() first");
+  const Checked c = check(in, num_blocks_);
+  if (in.prev_rows) {
+    OI_INPUT_CHECK(last_launch_S_ >= 0, "prev_rows needs a decode step launched just before");
+    for (int b = 0; b < in.B; ++b)
+      OI_INPUT_CHECK(in.prev_rows[b] >= -1 && in.prev_rows[b] < last_launch_S_, "prev_rows[" << b << "] = " << in.prev_rows[b]);
+  }
+  if (launch_graph(in)) {
+    last_launch_S_ = in.S;
+    return;
+  }
+  OI_INPUT_CHECK(!in.prev_rows, "prev_rows is only for decode steps (one token per sequence, no logprobs)");
+  last_launch_S_ = -1;
+  pending_.push_back(Pending{-1, in.B, run(in, c, kv_cache_)});
+}
+
+StepResult Engine::collect() {
+  OI_CHECK(!pending_.empty(), "collect() with no step launched");
+  Pending p = std::move(pending_.front());
+  pending_.pop_front();
+  return p.slot < 0 ? std::move(p.ready) : finish_graph(p);
+}
+
+Engine::Checked Engine::check(const HostStep& in, int64_t num_blocks) const {
   const int T = in.T, B = in.B, S = in.S;
   // Everything a client could influence is checked here, before any device work.
   OI_INPUT_CHECK(T >= 1 && T <= opt_.max_num_tokens, T << " tokens (1.." << opt_.max_num_tokens << ")");
@@ -429,9 +488,11 @@ StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
   const int group = d_.heads / d_.kv_heads;
   const int qt = attn_tokens_per_item(group);
   const int64_t max_slot = num_blocks * opt_.block_size;
-  std::vector<AttnWork> work;
+  Checked c;
+  std::vector<AttnWork>& work = c.work;
   work.reserve(T / qt + B + 1);
-  int max_ctx = 0, max_rows = 1;
+  int& max_ctx = c.max_ctx;
+  int& max_rows = c.max_rows;
   for (int b = 0; b < B; ++b) {
     const int s0 = in.query_start_loc[b], s1 = in.query_start_loc[b + 1];
     OI_INPUT_CHECK(s1 > s0, "sequence " << b << " has no tokens");
@@ -452,20 +513,26 @@ StepResult Engine::run(const HostStep& in, bf16* kv_cache, int64_t num_blocks) {
     max_ctx = std::max(max_ctx, ctx);
   }
   for (int t = 0; t < T; ++t) {
-    OI_INPUT_CHECK(in.ids[t] >= 0 && in.ids[t] < d_.vocab, "token id " << in.ids[t] << " out of range");
+    const bool fed = in.prev_rows && t < B && in.prev_rows[t] >= 0;  // comes from the previous step's output
+    OI_INPUT_CHECK(fed || (in.ids[t] >= 0 && in.ids[t] < d_.vocab), "token id " << in.ids[t] << " out of range");
     OI_INPUT_CHECK(in.positions[t] >= 0 && in.positions[t] < opt_.max_model_len, "position " << in.positions[t] << " out of range");
     OI_INPUT_CHECK(in.slots[t] >= -1 && in.slots[t] < max_slot, "slot " << in.slots[t] << " out of range");
   }
-  std::vector<int32_t> sample_pos(S);
+  c.sample_pos.resize(S);
   for (int r = 0; r < S; ++r) {
     OI_INPUT_CHECK(in.sample_idx[r] >= 0 && in.sample_idx[r] < T, "sample_idx " << in.sample_idx[r] << " out of range");
     OI_INPUT_CHECK(std::isfinite(in.temperature[r]) && in.top_p[r] > 0.f && in.top_p[r] <= 1.f, "bad sampling parameters in row " << r);
-    sample_pos[r] = in.positions[in.sample_idx[r]];
+    c.sample_pos[r] = in.positions[in.sample_idx[r]];
   }
-  if (kv_cache == kv_cache_) {
-    StepResult r;
-    if (try_graph(in, &r)) return r;
-  }
+  return c;
+}
+
+// A step outside the decode buckets (prefill chunks, mixed batches, logprobs), eager and synchronous.
+StepResult Engine::run(const HostStep& in, const Checked& c, bf16* kv_cache) {
+  const int T = in.T, B = in.B, S = in.S;
+  const std::vector<AttnWork>& work = c.work;
+  const int max_ctx = c.max_ctx, max_rows = c.max_rows;
+  const std::vector<int32_t>& sample_pos = c.sample_pos;
   const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_);
 
   // Pack every input into the pinned staging area and send it with one copy.

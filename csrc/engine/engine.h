@@ -1,6 +1,7 @@
 // Engine: owns the GPU state of one model -- weights, activations, the paged KV pool, the GEMM plans --
 // and runs one step per call. No Python types here; the binding converts NumPy arrays to HostStep.
 #pragma once
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +34,10 @@ struct HostStep {
   int num_logprobs = 0;
   bool return_logits = false;
   bool force_eager = false;  // decode buckets launched without their graph (for graph == eager tests)
+  // [B] or null. Row b's input id is the previous launch's sampled token prev_rows[b] when >= 0 (its
+  // ids[b] is then ignored): a decode step can go out before the previous one's tokens reach the host.
+  // Only for decode steps that follow a decode step.
+  const int32_t* prev_rows = nullptr;
 };
 
 struct StepResult {
@@ -53,7 +58,12 @@ class Engine {
   void init_random(uint64_t seed);
   // After the weights: allocate activations, run one profiling step, size and zero the KV pool.
   int64_t finalize();
-  StepResult step(const HostStep& in);
+  StepResult step(const HostStep& in);  // launch + collect; nothing may be pending
+  // Overlapped decode: launch() queues a step and returns once its inputs are staged (at most two
+  // steps pending); collect() waits for the oldest and returns its result. Non-decode steps run at once.
+  void launch(const HostStep& in);
+  StepResult collect();
+  int pending() const { return (int)pending_.size(); }
 
   int64_t num_kv_blocks() const { return num_blocks_; }
   int64_t kv_block_bytes() const { return kv_.block_stride() * (int64_t)sizeof(bf16); }
@@ -69,18 +79,30 @@ class Engine {
   void upload(void* dst, const void* src, size_t bytes);
   void release_upload_stages();
   bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
-  StepResult run(const HostStep& in, bf16* kv_cache, int64_t num_blocks);
+  struct Checked {  // what validation derives from a step's inputs
+    std::vector<AttnWork> work;
+    std::vector<int32_t> sample_pos;
+    int max_ctx = 0, max_rows = 1;
+  };
+  Checked check(const HostStep& in, int64_t num_blocks) const;
+  StepResult run(const HostStep& in, const Checked& c, bf16* kv_cache);
+  struct Pending {
+    int slot = -1;  // graph host slot, or -1: `ready` holds the finished result
+    int B = 0;
+    StepResult ready;
+  };
   // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
   struct Graph {
     int batch = 0;
     cudaGraphExec_t exec = nullptr;  // null when cuda_graph is off
   };
   struct GraphArena {
-    size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, tokens, logprobs, bt, bytes;
+    size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, prev, bt, tokens, logprobs, bytes;
   };
   void capture_graphs();
   StepMeta graph_meta(int batch) const;
-  bool try_graph(const HostStep& in, StepResult* out);
+  bool launch_graph(const HostStep& in);  // queues a decode bucket step; false when the step is not one
+  StepResult finish_graph(const Pending& p);
 
   ModelDims d_;
   EngineOptions opt_;
@@ -105,7 +127,11 @@ class Engine {
   bool finalized_ = false;
   std::vector<Graph> graphs_;  // ascending batch
   GraphArena ga_{};
-  char* graph_host_ = nullptr;
+  char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
+  cudaEvent_t graph_ev_[2][3] = {};            // per slot: start, end of the forward, outputs on the host
+  int graph_slot_ = 0;
+  int last_launch_S_ = -1;                     // sampled rows of the last launch when it was a decode bucket
+  std::deque<Pending> pending_;
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
   int64_t graph_steps_ = 0;

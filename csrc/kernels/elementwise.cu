@@ -126,4 +126,17 @@ void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
   OI_LAUNCH_CHECK("silu_mul_kernel");
 }
 
+namespace {
+__global__ void feed_tokens_kernel(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b < B && prev_rows[b] >= 0) ids[b] = prev_tokens[prev_rows[b]];
+}
+}  // namespace
+
+void feed_tokens(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B, cudaStream_t s) {
+  if (B <= 0) return;
+  feed_tokens_kernel<<<(B + 255) / 256, 256, 0, s>>>(ids, prev_rows, prev_tokens, B);
+  OI_LAUNCH_CHECK("feed_tokens_kernel");
+}
+
 }  // namespace oi

@@ -17,4 +17,8 @@ void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s);
 // out[r, :] = x[idx[r], :]   (the rows that sample, before the final norm and lm_head)
 void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s);
 
+// ids[b] = prev_tokens[prev_rows[b]] where prev_rows[b] >= 0: a decode step launched before the previous
+// step's tokens reached the host takes them on the device.
+void feed_tokens(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B, cudaStream_t s);
+
 }  // namespace oi

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     a("--cuda-graph", type=_bool, default=True, metavar="{true,false}",
       help="replay decode steps from captured CUDA graphs")
+    a("--overlap-steps", type=_bool, default=True, metavar="{true,false}",
+      help="launch each decode step before the previous one's tokens reach the host, so scheduling and "
+           "streaming run while the GPU works")
     a("--no-prefix-cache", action="store_true",
       help="turn off prefix caching (reuse of KV blocks across requests sharing a prompt prefix)")
     a("--kv-offload", action="store_true",
@@ -80,7 +83,8 @@ def engine_config(args: argparse.Namespace):
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting_requests,
-                        enable_prefix_caching=not args.no_prefix_cache, cuda_graph=args.cuda_graph)
+                        enable_prefix_caching=not args.no_prefix_cache, cuda_graph=args.cuda_graph,
+                        overlap_steps=args.overlap_steps)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -95,14 +95,28 @@ class CudaBackend:
             log.info("CUDA graphs captured for decode batch sizes %s", self.eng.graph_batches)
         self.last_gpu_ms = 0.0
 
+    def launch(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
+               temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,
+               force_eager: bool = False, prev_rows=None) -> None:
+        """Queues a step (at most two pending); prev_rows[b] >= 0 feeds row b the previous step's token."""
+        self.eng.launch(input_ids, positions, query_start_loc, context_lens, np.atleast_2d(block_tables), slot_mapping,
+                        sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs,
+                        return_logits, force_eager, prev_rows)
+
+    def collect(self) -> StepOutput:
+        return self._output(*self.eng.collect())
+
+    def _output(self, tokens, lps, top_ids, top_lps, logits, gpu_ms) -> StepOutput:
+        self.last_gpu_ms = gpu_ms
+        n = top_ids.shape[1] if top_ids.ndim == 2 else 0
+        return StepOutput(tokens=tokens, logprobs=lps, top_ids=top_ids if n else None,
+                          top_logprobs=top_lps if n else None, logits=logits)
+
     def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
              temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,
              force_eager: bool = False) -> StepOutput:
         """force_eager: run a decode step's bucket without its CUDA graph (tests compare the two)."""
-        tokens, lps, top_ids, top_lps, logits, gpu_ms = self.eng.step(
+        return self._output(*self.eng.step(
             input_ids, positions, query_start_loc, context_lens, np.atleast_2d(block_tables), slot_mapping,
             sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs, return_logits,
-            force_eager)
-        self.last_gpu_ms = gpu_ms
-        return StepOutput(tokens=tokens, logprobs=lps, top_ids=top_ids if num_logprobs else None,
-                          top_logprobs=top_lps if num_logprobs else None, logits=logits)
+            force_eager))

@@ -32,7 +32,7 @@ class LLMEngine:
         # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
         threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
         self.backend = self._make_backend()
-        self._timing = dict(steps=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
+        self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -41,6 +41,8 @@ class LLMEngine:
             max_waiting=config.max_waiting,
             eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
         self.runner = Runner(self.backend, config.kv_block_size)
+        self._overlap = config.overlap_steps and hasattr(self.backend, "launch")
+        self._inflight = None  # the overlapped decode step launched and not yet collected
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
         log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d", config.device,
                  self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len)
@@ -78,30 +80,65 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self._inflight is not None or self.scheduler.has_unfinished()
 
     def step(self, before_launch: Callable[[], None] | None = None) -> list[RequestUpdate]:
         """One step. `before_launch` runs after scheduling, right before the backend call (which
-        drops the GIL): the server posts the previous step's updates there."""
+        drops the GIL): the server posts the previous step's updates there.
+
+        Overlapped decode: a decode-only batch is launched and left running; the next call launches the
+        step after it (input tokens fed on the device) before collecting it, so the host's scheduling and
+        postprocessing hide under the GPU. The updates of a step come from the call after its launch."""
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
-        if not batch.items:
-            return []
-        out = self.runner.run(batch, before_launch)
-        updates = self.scheduler.postprocess(batch, out)
+        try:
+            updates, finished_step = self._step(before_launch)
+        except BaseException:
+            self._abandon_inflight()
+            raise
         # Host time per step next to device time per step: the share of a step the GPU waits on Python.
+        # (Overlapped: a call's wall time is one step period, waiting included.)
         wall = time.perf_counter() - t0
-        gpu = getattr(self.backend, "last_gpu_ms", 0.0) / 1e3
-        self._timing["steps"] += 1
         self._timing["wall_s"] += wall
-        self._timing["gpu_s"] += gpu
-        self._timing["last_wall_ms"], self._timing["last_gpu_ms"] = wall * 1e3, gpu * 1e3
+        if finished_step:
+            gpu = getattr(self.backend, "last_gpu_ms", 0.0) / 1e3
+            self._timing["steps"] += 1
+            self._timing["gpu_s"] += gpu
+            self._timing["last_wall_ms"], self._timing["last_gpu_ms"] = wall * 1e3, gpu * 1e3
         return updates
+
+    def _step(self, before_launch) -> tuple[list[RequestUpdate], bool]:
+        """(updates, whether a step's results came back)."""
+        prev = self._inflight
+        if prev is None:
+            batch = self.scheduler.schedule()
+            if not batch.items:
+                return [], False
+            if self._overlap and self.scheduler.overlappable(batch):
+                self.runner.launch(batch, before_launch)
+                self._inflight = batch
+                return [], False
+            return self.scheduler.postprocess(batch, self.runner.run(batch, before_launch)), True
+        nxt = self.scheduler.continue_decode(prev)
+        if nxt is not None:
+            self.runner.launch(nxt, before_launch)
+            self._timing["overlapped"] += 1
+        self._inflight = nxt
+        return self.scheduler.postprocess(prev, self.runner.collect()), True
+
+    def _abandon_inflight(self) -> None:
+        """After a failed step: collect whatever is still queued so the backend starts clean."""
+        self._inflight = None
+        for _ in range(2):
+            try:
+                self.runner.collect()
+            except Exception:
+                break
 
     def stats(self) -> dict:
         t = self._timing
         return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size,
-                    steps=t["steps"], step_wall_seconds=t["wall_s"], step_gpu_seconds=t["gpu_s"],
+                    steps=t["steps"], overlapped_steps=t["overlapped"], step_wall_seconds=t["wall_s"],
+                    step_gpu_seconds=t["gpu_s"],
                     last_step_wall_ms=t["last_wall_ms"], last_step_gpu_ms=t["last_gpu_ms"],
                     last_step_host_ms=t["last_wall_ms"] - t["last_gpu_ms"])
 

@@ -22,8 +22,12 @@ class Runner:
         starts = np.array([it.start for it in items], dtype=np.int32)
         qsl = np.zeros(len(items) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
-        input_ids = np.fromiter((t for it in items for t in it.seq.token_ids[it.start:it.start + it.num_tokens]),
-                                dtype=np.int32, count=int(qsl[-1]))
+        fed = any(it.feed_row >= 0 for it in items)
+        if fed:  # decode rows whose token is still on the device: a placeholder here, prev_rows says where
+            input_ids = np.array([0 if it.feed_row >= 0 else it.seq.token_ids[it.start] for it in items], dtype=np.int32)
+        else:
+            input_ids = np.fromiter((t for it in items for t in it.seq.token_ids[it.start:it.start + it.num_tokens]),
+                                    dtype=np.int32, count=int(qsl[-1]))
         row = np.repeat(np.arange(len(items)), lens)  # sequence of each token
         positions = (starts[row] + np.arange(qsl[-1]) - qsl[:-1][row]).astype(np.int32)
         width = max((len(it.seq.block_table) for it in items), default=1)
@@ -34,7 +38,7 @@ class Runner:
                         + positions % block_size).astype(np.int32)
         sampled = [it for it in items if it.sample]
         sample_mask = np.array([it.sample for it in items], dtype=bool)
-        return dict(
+        args = dict(
             input_ids=input_ids, positions=positions, query_start_loc=qsl, context_lens=starts + lens,
             block_tables=block_tables, slot_mapping=slot_mapping,
             sample_idx=(qsl[1:][sample_mask] - 1).astype(np.int32),
@@ -44,6 +48,9 @@ class Runner:
             seeds=np.array([it.seq.seed for it in sampled], dtype=np.uint64),
             num_logprobs=max((it.seq.params.logprobs or 0 for it in sampled), default=0),
         )
+        if fed:
+            args["prev_rows"] = np.array([it.feed_row for it in items], dtype=np.int32)
+        return args
 
     def run(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> StepOutput:
         """Runs one step; StepOutput rows follow the batch's sampling items in order."""
@@ -51,3 +58,13 @@ class Runner:
         if before_launch is not None:
             before_launch()
         return self.backend.step(**args)
+
+    def launch(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> None:
+        """Queues a step on the backend (at most two in flight); collect() returns outputs in order."""
+        args = self.pack(batch, self.block_size)
+        if before_launch is not None:
+            before_launch()
+        self.backend.launch(**args)
+
+    def collect(self) -> StepOutput:
+        return self.backend.collect()

@@ -90,6 +90,7 @@ class ScheduledSeq:
     start: int  # position of the first token computed this step
     num_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: it produces a token
+    feed_row: int = -1  # >= 0: the input token is row feed_row of the step still in flight (not on the host yet)
 
 
 @dataclass
@@ -216,11 +217,50 @@ class Scheduler:
     def promised_blocks(self) -> int:
         return sum(s.promise for s in self.running)
 
-    def _admit(self, seq: Sequence) -> bool:
+    def _admission_cost(self, seq: Sequence) -> tuple[list[int], int]:
+        """(prefix-cache hits, blocks admission takes from the pool's uncommitted free blocks)."""
         # a hit never covers the last prompt token: it must be recomputed to produce logits
         hits = self.bm.match_prefix(seq.token_ids, (seq.num_prompt - 1) // self.bs)
         taken_from_free = sum(self.bm.is_free(b) for b in hits)
-        cost = (seq.blocks_needed - len(hits)) + taken_from_free
+        return hits, (seq.blocks_needed - len(hits)) + taken_from_free
+
+    def _can_admit_next(self) -> bool:
+        if not self.waiting or len(self.running) >= self.max_num_seqs:
+            return False
+        room = self.bm.num_free - self.promised_blocks()
+        seq = self.waiting[0]
+        return seq.blocks_needed <= room or self._admission_cost(seq)[1] <= room  # hits only lower the cost
+
+    # ---- overlapped decode ----
+    @staticmethod
+    def overlappable(batch: ScheduledBatch) -> bool:
+        """A batch of decode rows only, none asking for logprobs: the next step may be launched while
+        this one runs, its input tokens taken on the device from this one's output."""
+        return bool(batch.items) and all(it.num_tokens == 1 and it.sample and it.seq.params.logprobs is None
+                                         for it in batch.items)
+
+    def continue_decode(self, prev: ScheduledBatch) -> ScheduledBatch | None:
+        """The decode step after `prev` (overlappable, still running): one row per sequence of prev
+        that is still running and whose pending token cannot end it by length, fed from prev's output.
+        None when the step should not be overlapped: a waiting request can be admitted (a normal
+        schedule() takes it), or no row would remain. A sequence that stops on prev's token (EOS, a stop
+        string) wastes its row: postprocess() skips rows of finished sequences."""
+        if self._can_admit_next():
+            return None
+        batch = ScheduledBatch()
+        for row, it in enumerate(prev.items):
+            seq = it.seq
+            if seq.status is Status.RUNNING and len(seq.token_ids) + 1 < seq.max_len:
+                batch.items.append(ScheduledSeq(seq, it.start + 1, 1, True, feed_row=row))
+        if not batch.items:
+            return None
+        for it in batch.items:
+            if len(it.seq.block_table) * self.bs <= it.start:
+                it.seq.block_table.append(self.bm.allocate())
+        return batch
+
+    def _admit(self, seq: Sequence) -> bool:
+        hits, cost = self._admission_cost(seq)
         if cost > self.bm.num_free - self.promised_blocks():
             return False
         self.bm.acquire(hits)

@@ -2,6 +2,8 @@
 `dense_forward` (plain whole-sequence forward, written separately, to check the paged path)."""
 from __future__ import annotations
 
+from collections import deque
+
 import numpy as np
 
 from ..backend import StepOutput
@@ -23,6 +25,26 @@ class ReferenceBackend:
         # one block = every layer's K and V for block_size tokens (docs/architecture.md)
         self.kv_cache = np.zeros((num_blocks, c.num_hidden_layers, 2, c.num_key_value_heads, block_size,
                                   c.head_dim), dtype=F32)
+        self._pending: deque[StepOutput] = deque()
+        self._last: StepOutput | None = None
+
+    def launch(self, prev_rows=None, **args) -> None:
+        """The overlapped-step contract of the CUDA backend, computed at once: prev_rows[b] >= 0 takes
+        row b's input token from the previous launch's output."""
+        if prev_rows is not None:
+            if self._last is None:
+                raise ValueError("prev_rows needs a step launched just before")
+            ids = np.array(args["input_ids"], dtype=np.int32)
+            fed = prev_rows >= 0
+            ids[fed] = self._last.tokens[prev_rows[fed]]
+            args["input_ids"] = ids
+        if len(self._pending) >= 2:
+            raise RuntimeError("launch() with two steps already pending: collect() first")
+        self._last = self.step(**args)
+        self._pending.append(self._last)
+
+    def collect(self) -> StepOutput:
+        return self._pending.popleft()
 
     def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping,
              sample_idx, temperature, top_p, top_k, seeds, num_logprobs: int = 0,

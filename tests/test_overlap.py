@@ -1,0 +1,164 @@
+"""Overlapped decode: step N+1 launched before step N's tokens reach the host (fed on the device).
+Outputs must equal the synchronous loop's in every finish path, and no KV block may leak."""
+import numpy as np
+import pytest
+
+from openinfer import Engine, EngineConfig, LLMEngine, SamplingParams
+from openinfer.block_manager import BlockManager
+from openinfer.runner import Runner
+from openinfer.scheduler import ScheduledBatch, Scheduler
+
+PROMPTS = ["The capital of France is", "def f(x):", "1, 2, 3,", "Hello world, here is a longer prompt that spans "
+           "more than one block of tokens"]
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_dir):
+    mk = lambda overlap: Engine(str(tiny_dir), device="cpu", num_kv_blocks=96, overlap_steps=overlap)
+    return mk(True), mk(False)
+
+
+def _outs(engine, params):
+    return [(o.token_ids, o.text, o.finish_reason) for o in engine.generate(PROMPTS, params)]
+
+
+def _used(engine):
+    return engine.llm_engine.stats()["kv_blocks_used"]
+
+
+def test_same_outputs_greedy_and_sampled(pair):
+    on, off = pair
+    before = on.llm_engine.stats()["overlapped_steps"]
+    for params in (SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+                   [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=m, ignore_eos=True)
+                    for s, m in zip(range(4), (1, 2, 17, 33))]):
+        assert _outs(on, params) == _outs(off, params)
+    assert on.llm_engine.stats()["overlapped_steps"] > before + 20
+    assert off.llm_engine.stats()["overlapped_steps"] == 0
+    assert _used(on) == 0 and _used(off) == 0
+
+
+def test_stops_mid_overlap(pair):
+    """A sequence that stops on a token (stop id, stop string) while its next row is already in
+    flight: same output, the extra row is dropped, its blocks come back."""
+    on, off = pair
+    ref = off.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    stop_ids = [SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[o.token_ids[4]]) for o in ref]
+    assert _outs(on, stop_ids) == _outs(off, stop_ids)
+    assert all(len(t) <= 5 for t, _, _ in _outs(on, stop_ids))
+    text = ref[1].text
+    stop_str = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[text[len(text) // 2:][:3]])]
+    stop_str = stop_str * len(PROMPTS)
+    assert _outs(on, stop_str) == _outs(off, stop_str)
+    assert _used(on) == 0
+
+
+def test_logprobs_and_arrivals_fall_back_to_sync(tiny_dir):
+    """logprobs rows are not overlapped; a request arriving mid-decode is admitted on the next step."""
+    runs = {}
+    for overlap in (True, False):
+        eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64, overlap_steps=overlap))
+        eng.add_request("a", eng.tokenizer.encode(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=10,
+                                                                               ignore_eos=True))
+        toks = {"a": [], "b": [], "c": []}
+        for i in range(200):
+            if i == 4:
+                eng.add_request("b", eng.tokenizer.encode(PROMPTS[1]),
+                                SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2))
+            if i == 5:
+                eng.add_request("c", eng.tokenizer.encode(PROMPTS[3]), SamplingParams(temperature=0.0, max_tokens=7,
+                                                                                      ignore_eos=True))
+            for u in eng.step():
+                toks[u.request_id] += u.new_token_ids
+            if i > 5 and not eng.has_unfinished():
+                break
+        assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["num_running"] == 0
+        runs[overlap] = (toks, eng.stats()["overlapped_steps"])
+    assert runs[True][0] == runs[False][0]
+    assert [len(v) for v in runs[True][0].values()] == [10, 6, 7]
+    assert runs[True][1] > 0
+
+
+def test_abort_while_in_flight(tiny_dir):
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64))
+    for rid, p in zip("ab", PROMPTS):
+        eng.add_request(rid, eng.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    got = {"a": [], "b": []}
+    while eng._inflight is None:  # prefill, then the first overlapped decode launch
+        for u in eng.step():
+            got[u.request_id] += u.new_token_ids
+    assert eng.abort_request("a")
+    while eng.has_unfinished():
+        for u in eng.step():
+            got[u.request_id] += u.new_token_ids
+    assert len(got["b"]) == 30 and len(got["a"]) < 30
+    assert eng.stats()["kv_blocks_used"] == 0 and eng._inflight is None
+
+
+def _sched(tokenizer, num_blocks=20, max_num_seqs=4):
+    bm = BlockManager(num_blocks, 16)
+    return Scheduler(bm, tokenizer, max_model_len=4096, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+                     max_waiting=8), bm
+
+
+def _decode_batch(sched, rows):
+    """Admits sequences and marks their prompts computed: `rows` = prompt lengths."""
+    from openinfer.scheduler import ScheduledSeq, Status
+    batch = ScheduledBatch()
+    for i, n in enumerate(rows):
+        seq = sched.add_request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=3), seed=0)
+        sched.waiting.remove(seq)
+        assert sched._admit(seq)
+        while len(seq.block_table) * 16 < n:
+            seq.block_table.append(sched.bm.allocate())
+        seq.num_computed = n - 1
+        assert seq.status is Status.RUNNING
+        batch.items.append(ScheduledSeq(seq, n - 1, 1, True))
+    return batch
+
+
+def test_continue_decode_policy(tokenizer):
+    sched, bm = _sched(tokenizer)
+    prev = _decode_batch(sched, [16, 5])  # row 0 computes position 15: its next position opens block 2
+    assert Scheduler.overlappable(prev)
+    nxt = sched.continue_decode(prev)
+    assert [(it.start, it.feed_row) for it in nxt.items] == [(16, 0), (5, 1)]
+    assert len(prev.items[0].seq.block_table) == 2 and len(prev.items[1].seq.block_table) == 1
+    # a sequence whose pending token reaches max_len gets no row
+    prev.items[1].seq.token_ids += [7, 7]  # 5 prompt + 2 outputs: the pending third ends it by length
+    assert [it.feed_row for it in sched.continue_decode(nxt).items] == [0]
+    # an admissible waiting request turns overlap off (schedule() admits it next)
+    sched.add_request("w", [1, 2, 3], SamplingParams(max_tokens=2), seed=0)
+    assert sched.continue_decode(prev) is None
+
+
+def test_continue_decode_keeps_overlap_when_waiting_cannot_fit(tokenizer):
+    sched, bm = _sched(tokenizer, num_blocks=6)
+    prev = _decode_batch(sched, [3])
+    sched.add_request("big", list(range(1, 60)), SamplingParams(max_tokens=20), seed=0)  # 5 blocks: no room now
+    assert sched.continue_decode(prev) is not None
+
+
+def test_pack_feeds_rows(tokenizer):
+    sched, bm = _sched(tokenizer)
+    prev = _decode_batch(sched, [4, 9])
+    args = Runner.pack(sched.continue_decode(prev), 16)
+    assert list(args["prev_rows"]) == [0, 1] and list(args["input_ids"]) == [0, 0]
+    assert list(args["positions"]) == [4, 9]
+    assert "prev_rows" not in Runner.pack(prev, 16)
+
+
+def test_overlappable_rejects_prefill_and_logprobs(tokenizer):
+    sched, bm = _sched(tokenizer)
+    prev = _decode_batch(sched, [4])
+    prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=1)
+    assert not Scheduler.overlappable(prev)
+    assert not Scheduler.overlappable(ScheduledBatch())
+
+
+def test_reference_backend_launch_contract(tiny_dir):
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=16))
+    b = eng.backend
+    with pytest.raises(ValueError, match="prev_rows"):
+        b._last = None
+        b.launch(prev_rows=np.array([0], np.int32), input_ids=np.array([1], np.int32))
