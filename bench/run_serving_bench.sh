@@ -169,7 +169,7 @@ SWEEP="$OUT_DIR/${TAG}-sweep.json"
 import json, sys
 sys.path.insert(0, __import__("os").path.dirname(sys.argv[0]) or ".")
 points_file, out, tag, model_dir, sat, secs, server_args, cmd = sys.argv[1:9]
-keys = ["completed", "failed", "duration", "realized_request_rate", "keepup_request_rate",
+keys = ["completed", "failed", "duration", "realized_request_rate", "keepup_request_rate", "server_gpu_busy_fraction",
         "request_throughput",
         "output_throughput",
         "total_token_throughput", "total_input_tokens", "total_output_tokens"]
