@@ -140,7 +140,9 @@ class LLMEngine:
                     steps=t["steps"], overlapped_steps=t["overlapped"], step_wall_seconds=t["wall_s"],
                     step_gpu_seconds=t["gpu_s"],
                     last_step_wall_ms=t["last_wall_ms"], last_step_gpu_ms=t["last_gpu_ms"],
-                    last_step_host_ms=t["last_wall_ms"] - t["last_gpu_ms"])
+                    # overlapped steps start on the GPU before the call that collects them: wall < GPU
+                    # there means the host time was hidden entirely
+                    last_step_host_ms=max(0.0, t["last_wall_ms"] - t["last_gpu_ms"]))
 
 
 @dataclass
