@@ -8,7 +8,8 @@
 # ncu (per-kernel times of one 4B batch-1 decode step), graphs (graph == eager, 32B random load),
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
 # CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
-# kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), footprint.
+# kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), overlap (concurrency 1 and 64
+# with --overlap-steps true and false, side by side), footprint.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -39,6 +40,11 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     kbench) python3 bench/bench_kernels.py --out "$OUT/kernels.json" ;;
     sweep) need_4b && POINT_SECONDS=${POINT_SECONDS:-8} SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b \
              bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/sweep" | tail -16 ;;
+    overlap) need_4b && for ov in true false; do
+               POINT_SECONDS=${POINT_SECONDS:-25} QPS_GRID=" " CONC_GRID="1 64" EXTRA_QPS=" " EXTRA_CONC=" " \
+                 SERVER_ARGS="--overlap-steps $ov" SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b-overlap-$ov \
+                 bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/overlap" | tail -3
+             done ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
     *) echo "unknown stage $stage" ;;
