@@ -60,7 +60,7 @@ def test_logprobs_and_arrivals_fall_back_to_sync(tiny_dir):
         eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64, overlap_steps=overlap))
         eng.add_request("a", eng.tokenizer.encode(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=10,
                                                                                ignore_eos=True))
-        toks = {"a": [], "b": [], "c": []}
+        toks, lps = {"a": [], "b": [], "c": []}, []
         for i in range(200):
             if i == 4:
                 eng.add_request("b", eng.tokenizer.encode(PROMPTS[1]),
@@ -70,29 +70,53 @@ def test_logprobs_and_arrivals_fall_back_to_sync(tiny_dir):
                                                                                       ignore_eos=True))
             for u in eng.step():
                 toks[u.request_id] += u.new_token_ids
+                if u.request_id == "b":
+                    lps += [(lp.token_id, lp.logprob, *[v for _, v in lp.top]) for lp in u.logprobs]
             if i > 5 and not eng.has_unfinished():
                 break
         assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["num_running"] == 0
-        runs[overlap] = (toks, eng.stats()["overlapped_steps"])
+        runs[overlap] = (toks, eng.stats()["overlapped_steps"], lps)
     assert runs[True][0] == runs[False][0]
+    # b's logprobs (steps with logprobs run synchronously); fp32 sums differ slightly with the batch around b
+    assert len(runs[True][2]) == 6 and np.allclose(runs[True][2], runs[False][2], rtol=0, atol=1e-4)
     assert [len(v) for v in runs[True][0].values()] == [10, 6, 7]
     assert runs[True][1] > 0
 
 
-def test_abort_while_in_flight(tiny_dir):
+def test_abort_while_in_flight(tiny_dir, pair):
     eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64))
     for rid, p in zip("ab", PROMPTS):
         eng.add_request(rid, eng.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     got = {"a": [], "b": []}
-    while eng._inflight is None:  # prefill, then the first overlapped decode launch
+    for _ in range(4):  # prefill (token 1), the first decode launch, two overlapped steps (tokens 2, 3)
         for u in eng.step():
             got[u.request_id] += u.new_token_ids
-    assert eng.abort_request("a")
+    assert eng._inflight is not None and len(got["a"]) == 3
+    assert eng.abort_request("a")  # its row of the step in flight is dropped
     while eng.has_unfinished():
         for u in eng.step():
             got[u.request_id] += u.new_token_ids
-    assert len(got["b"]) == 30 and len(got["a"]) < 30
+    assert len(got["a"]) == 3
+    alone = pair[1].generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    assert got["b"] == alone.token_ids
     assert eng.stats()["kv_blocks_used"] == 0 and eng._inflight is None
+
+
+def test_held_updates_go_out_before_waiting(tiny_dir):
+    """When no step follows (the chain ends), the caller's before_launch still runs before the wait on the
+    step in flight, so the previous step's tokens are not held back a whole step."""
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64))
+    events = []
+    b = eng.backend
+    for name in ("launch", "collect"):
+        f = getattr(b, name)
+        setattr(b, name, lambda *a, _f=f, _n=name, **k: (events.append(_n), _f(*a, **k))[1])
+    eng.add_request("a", eng.tokenizer.encode(PROMPTS[0]), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    while eng.has_unfinished():
+        eng.step(before_launch=lambda: events.append("flush"))
+    collects = [i for i, e in enumerate(events) if e == "collect"]
+    assert collects and all(events[i - 1] in ("flush", "launch") for i in collects)
+    assert events[-2:] == ["flush", "collect"]  # the last call launched nothing
 
 
 def _sched(tokenizer, num_blocks=20, max_num_seqs=4):
@@ -149,16 +173,40 @@ def test_pack_feeds_rows(tokenizer):
 
 
 def test_overlappable_rejects_prefill_and_logprobs(tokenizer):
+    from openinfer.scheduler import ScheduledSeq
     sched, bm = _sched(tokenizer)
-    prev = _decode_batch(sched, [4])
+    prev = _decode_batch(sched, [4, 7])
+    assert Scheduler.overlappable(prev)
+    seq = prev.items[1].seq
+    for item in (ScheduledSeq(seq, 0, 7, True), ScheduledSeq(seq, 0, 1, False)):  # a prefill chunk, a silent row
+        assert not Scheduler.overlappable(ScheduledBatch([prev.items[0], item]))
     prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=1)
     assert not Scheduler.overlappable(prev)
     assert not Scheduler.overlappable(ScheduledBatch())
 
 
 def test_reference_backend_launch_contract(tiny_dir):
+    """Like the CUDA engine: rows are fed only from a decode step into a decode step."""
     eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=16))
     b = eng.backend
-    with pytest.raises(ValueError, match="prev_rows"):
-        b._last = None
-        b.launch(prev_rows=np.array([0], np.int32), input_ids=np.array([1], np.int32))
+    one = dict(temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
+               seeds=np.zeros(1, np.uint64))
+    prefill = dict(input_ids=np.array([5, 6, 7], np.int32), positions=np.arange(3, dtype=np.int32),
+                   query_start_loc=np.array([0, 3], np.int32), context_lens=np.array([3], np.int32),
+                   block_tables=np.array([[1]], np.int32), slot_mapping=np.array([16, 17, 18], np.int32),
+                   sample_idx=np.array([2], np.int32), **one)
+    decode = dict(input_ids=np.array([0], np.int32), positions=np.array([3], np.int32),
+                  query_start_loc=np.array([0, 1], np.int32), context_lens=np.array([4], np.int32),
+                  block_tables=np.array([[1]], np.int32), slot_mapping=np.array([19], np.int32),
+                  sample_idx=np.array([0], np.int32), **one)
+    first = b.step(**prefill)
+    with pytest.raises(ValueError, match="prev_rows"):  # the previous step was a prefill
+        b.launch(prev_rows=np.array([0], np.int32), **decode)
+    b.launch(**dict(decode, input_ids=first.tokens.astype(np.int32)))
+    b.launch(prev_rows=np.array([0], np.int32), **dict(decode, positions=np.array([4], np.int32),
+                                                        context_lens=np.array([5], np.int32),
+                                                        slot_mapping=np.array([20], np.int32)))
+    a, c = b.collect(), b.collect()
+    with pytest.raises(ValueError, match="prev_rows"):  # into a step asking for logprobs
+        b.launch(prev_rows=np.array([0], np.int32), num_logprobs=1, **decode)
+    assert a.tokens.shape == c.tokens.shape == (1,)

@@ -201,3 +201,28 @@ def test_random_traffic_under_memory_pressure(tokenizer, seed):
     assert max_waiting_seen > 0 and refused > 0  # the pool really was the bottleneck
     assert bm.num_used == 0, "a KV block leaked"
     bm.check_integrity()
+
+
+def test_postprocess_failure_leaves_no_finished_sequence_running(tokenizer):
+    """A sequence that finished earlier in a postprocess that then raised must not stay in `running`
+    (it would get decode rows with no blocks on every later step)."""
+    from openinfer.scheduler import Status
+    sched, bm, runner = make(tokenizer)
+    sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=1), seed=0)
+    sched.add_request("b", [4, 5, 6], SamplingParams(max_tokens=5), seed=0)
+    batch = sched.schedule()
+    out = runner.run(batch)
+    real = sched._append_token
+
+    def fail_on_b(seq, out, r):
+        if seq.request_id == "b":
+            raise RuntimeError("boom")
+        return real(seq, out, r)
+
+    sched._append_token = fail_on_b
+    with pytest.raises(RuntimeError, match="boom"):
+        sched.postprocess(batch, out)
+    sched._append_token = real
+    assert [s.request_id for s in sched.running] == ["b"]
+    assert all(s.status is Status.RUNNING for s in sched.running)
+    assert sched.abort("b") and bm.num_used == 0

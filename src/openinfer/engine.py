@@ -118,21 +118,23 @@ class LLMEngine:
                 self._inflight = batch
                 return [], False
             return self.scheduler.postprocess(batch, self.runner.run(batch, before_launch)), True
-        nxt = self.scheduler.continue_decode(prev)
+        nxt = self.scheduler.continue_decode(prev) if self._overlap else None
         if nxt is not None:
             self.runner.launch(nxt, before_launch)
             self._timing["overlapped"] += 1
+        elif before_launch is not None:
+            before_launch()  # nothing launched: hand over the held updates before waiting on the GPU
         self._inflight = nxt
         return self.scheduler.postprocess(prev, self.runner.collect()), True
 
     def _abandon_inflight(self) -> None:
         """After a failed step: collect whatever is still queued so the backend starts clean."""
         self._inflight = None
-        for _ in range(2):
+        for _ in range(2):  # at most two queued; a failed collect has still dequeued its step
             try:
                 self.runner.collect()
             except Exception:
-                break
+                pass
 
     def stats(self) -> dict:
         t = self._timing

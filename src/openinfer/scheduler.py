@@ -278,18 +278,20 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestUpdate]:
         updates, row = [], 0
-        for it in batch.items:
-            seq = it.seq
-            r = row
-            row += it.sample
-            if seq.status is not Status.RUNNING:  # aborted while the step ran
-                continue
-            seq.num_computed = it.start + it.num_tokens
-            self._seal(seq)
-            if it.sample:
-                updates.append(self._append_token(seq, out, r))
-        if any(s.status is Status.FINISHED for s in self.running):
-            self.running = [s for s in self.running if s.status is Status.RUNNING]
+        try:
+            for it in batch.items:
+                seq = it.seq
+                r = row
+                row += it.sample
+                if seq.status is not Status.RUNNING:  # aborted (or finished) while the step ran
+                    continue
+                seq.num_computed = it.start + it.num_tokens
+                self._seal(seq)
+                if it.sample:
+                    updates.append(self._append_token(seq, out, r))
+        finally:  # a finished sequence must never stay in `running`, even if a later one raised
+            if any(s.status is Status.FINISHED for s in self.running):
+                self.running = [s for s in self.running if s.status is Status.RUNNING]
         return updates
 
     def _seal(self, seq: Sequence) -> None:

@@ -13,6 +13,11 @@ from . import ops
 F32 = np.float32
 
 
+def _is_decode(input_ids, context_lens, sample_idx, num_logprobs=0, return_logits=False, **_) -> bool:
+    """One sampled token per sequence, no logprobs or logits: what the CUDA engine's decode graphs run."""
+    return len(input_ids) == len(context_lens) == len(sample_idx) and not num_logprobs and not return_logits
+
+
 class ReferenceBackend:
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], num_blocks: int,
                  block_size: int = 16):
@@ -27,21 +32,22 @@ class ReferenceBackend:
                                   c.head_dim), dtype=F32)
         self._pending: deque[StepOutput] = deque()
         self._last: StepOutput | None = None
+        self._last_decode = False
 
     def launch(self, prev_rows=None, **args) -> None:
         """The overlapped-step contract of the CUDA backend, computed at once: prev_rows[b] >= 0 takes
         row b's input token from the previous launch's output."""
         if prev_rows is not None:
-            if self._last is None:
-                raise ValueError("prev_rows needs a step launched just before")
+            # the CUDA engine feeds rows only from a decode step into a decode step
+            if self._last is None or not self._last_decode or not _is_decode(**args):
+                raise ValueError("prev_rows needs a decode step launched just before, into a decode step")
             ids = np.array(args["input_ids"], dtype=np.int32)
             fed = prev_rows >= 0
             ids[fed] = self._last.tokens[prev_rows[fed]]
             args["input_ids"] = ids
         if len(self._pending) >= 2:
             raise RuntimeError("launch() with two steps already pending: collect() first")
-        self._last = self.step(**args)
-        self._pending.append(self._last)
+        self._pending.append(self.step(**args))
 
     def collect(self) -> StepOutput:
         return self._pending.popleft()
@@ -63,6 +69,7 @@ class ReferenceBackend:
             out.top_ids, out.top_logprobs = ops.top_logprobs(lp, num_logprobs)
         if return_logits:
             out.logits = logits
+        self._last, self._last_decode = out, _is_decode(input_ids, context_lens, sample_idx, num_logprobs, return_logits)
         return out
 
     def _forward(self, input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx):

@@ -222,7 +222,7 @@ class AsyncEngine:
                     self._fail_all(e)
                     self._refresh_stats()
                     continue
-                flush()  # no-op unless nothing launched (nothing could be scheduled)
+                flush()  # no-op unless the step launched nothing and collected nothing
                 pending = updates
                 self.step_count += 1
                 self.busy_seconds += time.perf_counter() - t_iter

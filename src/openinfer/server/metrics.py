@@ -61,7 +61,8 @@ class _EngineCollector:
         yield counter("openinfer_engine_busy_seconds", "Wall time of engine-loop iterations that ran a step "
                       "(step + scheduling + handing updates to HTTP); GPU share = step_gpu / this",
                       self.ae.busy_seconds)
-        yield gauge("openinfer_last_step_host_ms", "Host (Python + copies) time of the last step: wall minus GPU",
+        yield gauge("openinfer_last_step_host_ms", "Wall minus GPU time of the last step: host time the GPU waited on "
+                    "(about 0 when decode steps overlap)",
                     stat(s, "last_step_host_ms"))
         yield gauge("openinfer_last_step_gpu_ms", "GPU time of the last step", stat(s, "last_step_gpu_ms"))
 
