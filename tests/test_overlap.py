@@ -33,7 +33,12 @@ def test_same_outputs_greedy_and_sampled(pair):
                    [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=m, ignore_eos=True)
                     for s, m in zip(range(4), (1, 2, 17, 33))]):
         assert _outs(on, params) == _outs(off, params)
-    assert on.llm_engine.stats()["overlapped_steps"] > before + 20
+    lp0 = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)  # overlapped too
+    a, b = on.generate(PROMPTS, lp0), off.generate(PROMPTS, lp0)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert np.allclose([lp.logprob for o in a for lp in o.logprobs], [lp.logprob for o in b for lp in o.logprobs],
+                       rtol=0, atol=1e-4)
+    assert on.llm_engine.stats()["overlapped_steps"] > before + 26
     assert off.llm_engine.stats()["overlapped_steps"] == 0
     assert _used(on) == 0 and _used(off) == 0
 
@@ -180,6 +185,8 @@ def test_overlappable_rejects_prefill_and_logprobs(tokenizer):
     seq = prev.items[1].seq
     for item in (ScheduledSeq(seq, 0, 7, True), ScheduledSeq(seq, 0, 1, False)):  # a prefill chunk, a silent row
         assert not Scheduler.overlappable(ScheduledBatch([prev.items[0], item]))
+    prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=0)  # the sampled token's only: fine
+    assert Scheduler.overlappable(prev)
     prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=1)
     assert not Scheduler.overlappable(prev)
     assert not Scheduler.overlappable(ScheduledBatch())

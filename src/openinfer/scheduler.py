@@ -234,9 +234,10 @@ class Scheduler:
     # ---- overlapped decode ----
     @staticmethod
     def overlappable(batch: ScheduledBatch) -> bool:
-        """A batch of decode rows only, none asking for logprobs: the next step may be launched while
-        this one runs, its input tokens taken on the device from this one's output."""
-        return bool(batch.items) and all(it.num_tokens == 1 and it.sample and it.seq.params.logprobs is None
+        """A batch of decode rows only, none asking for top logprobs (the decode graphs return just the
+        sampled token's): the next step may be launched while this one runs, its input tokens taken on
+        the device from this one's output."""
+        return bool(batch.items) and all(it.num_tokens == 1 and it.sample and not it.seq.params.logprobs
                                          for it in batch.items)
 
     def continue_decode(self, prev: ScheduledBatch) -> ScheduledBatch | None:
