@@ -217,3 +217,62 @@ def test_reference_backend_launch_contract(tiny_dir):
     with pytest.raises(ValueError, match="prev_rows"):  # into a step asking for logprobs
         b.launch(prev_rows=np.array([0], np.int32), num_logprobs=1, **decode)
     assert a.tokens.shape == c.tokens.shape == (1,)
+
+
+def _workload(seed, max_model_len, stop_pool):
+    """Ten requests arriving over time: short and long prompts, shared prefixes, max_tokens None or
+    short, greedy and sampled, stop ids drawn from the model's own outputs."""
+    rng, stop_rng = np.random.default_rng(seed), np.random.default_rng(seed + 1000)  # stops do not shift the rest
+    reqs, first = [], None
+    for i in range(10):
+        ids = rng.integers(5, 1000, int(rng.integers(1, 40))).tolist()
+        if first is not None and rng.random() < 0.3:
+            ids = first[:20] + ids[:5]
+        first = first or ids
+        ids = ids[:max_model_len - 2]
+        mt = [None, 1, 2, 3, 5, 17, 30][int(rng.integers(7))]
+        if mt is not None:
+            mt = max(1, min(mt, max_model_len - len(ids)))
+        stops = stop_rng.choice(stop_pool, 3).tolist() if len(stop_pool) and stop_rng.random() < 0.7 else []
+        params = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), seed=i, max_tokens=mt,
+                                stop_token_ids=stops, ignore_eos=bool(rng.random() < 0.5))
+        reqs.append((f"r{i}", ids, params, int(rng.integers(0, 30))))
+    return sorted(reqs, key=lambda r: r[3])
+
+
+def _drive(tiny_dir, overlap, reqs, num_blocks, max_model_len, aborts=()):
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=num_blocks, overlap_steps=overlap,
+                                 max_model_len=max_model_len, max_num_seqs=4, max_num_batched_tokens=64))
+    toks, reasons, todo = {r[0]: [] for r in reqs}, {}, list(reqs)
+    for i in range(5000):
+        if not todo and not eng.has_unfinished():
+            break
+        while todo and todo[0][3] <= i:
+            rid, ids, params, _ = todo.pop(0)
+            eng.add_request(rid, ids, params)
+        for rid, at in aborts:
+            if at == i:
+                eng.abort_request(rid)
+        for u in eng.step():
+            toks[u.request_id] += u.new_token_ids
+            if u.finished:
+                reasons[u.request_id] = u.finish_reason
+        s, bm = eng.scheduler, eng.block_manager  # the books balance after every step
+        bm.check_integrity()
+        assert bm.num_free >= s.promised_blocks()
+        assert all(len(q.block_table) <= q.blocks_needed for q in s.running)
+    assert not eng.has_unfinished() and eng.stats()["kv_blocks_used"] == 0
+    return toks, reasons, eng.stats()["overlapped_steps"]
+
+
+@pytest.mark.parametrize("seed,num_blocks,max_model_len", [(0, 12, 64), (1, 9, 40), (2, 40, 128)])
+def test_random_workloads(tiny_dir, seed, num_blocks, max_model_len):
+    """Small pools (requests wait for admission), arrivals mid-decode, stops on the model's own tokens:
+    overlapped == synchronous; with aborts mid-flight nothing leaks."""
+    base = _drive(tiny_dir, False, _workload(seed, max_model_len, []), num_blocks, max_model_len)
+    pool = sorted({t for v in base[0].values() for t in v[1:6]})
+    reqs = _workload(seed, max_model_len, pool)
+    on, off = (_drive(tiny_dir, ov, reqs, num_blocks, max_model_len) for ov in (True, False))
+    assert on[:2] == off[:2] and on[2] > 0 and off[2] == 0
+    assert "stop" in on[1].values()
+    _drive(tiny_dir, True, reqs, num_blocks, max_model_len, aborts=[("r1", 10), ("r3", 15), ("r5", 22), ("r7", 31)])
