@@ -93,15 +93,15 @@ def test_abort_while_in_flight(tiny_dir, pair):
     for rid, p in zip("ab", PROMPTS):
         eng.add_request(rid, eng.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     got = {"a": [], "b": []}
-    for _ in range(4):  # prefill (token 1), the first decode launch, two overlapped steps (tokens 2, 3)
+    for _ in range(4):  # prefill (token 1, the next step launched behind it), then tokens 2, 3, 4
         for u in eng.step():
             got[u.request_id] += u.new_token_ids
-    assert eng._inflight is not None and len(got["a"]) == 3
+    assert eng._inflight is not None and len(got["a"]) == 4
     assert eng.abort_request("a")  # its row of the step in flight is dropped
     while eng.has_unfinished():
         for u in eng.step():
             got[u.request_id] += u.new_token_ids
-    assert len(got["a"]) == 3
+    assert len(got["a"]) == 4
     alone = pair[1].generate(PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
     assert got["b"] == alone.token_ids
     assert eng.stats()["kv_blocks_used"] == 0 and eng._inflight is None
@@ -276,3 +276,24 @@ def test_random_workloads(tiny_dir, seed, num_blocks, max_model_len):
     assert on[:2] == off[:2] and on[2] > 0 and off[2] == 0
     assert "stop" in on[1].values()
     _drive(tiny_dir, True, reqs, num_blocks, max_model_len, aborts=[("r1", 10), ("r3", 15), ("r5", 22), ("r7", 31)])
+
+
+def test_continue_decode_after_a_synchronous_step(tokenizer):
+    """After a synchronous step the next decode step goes out before postprocess(), carrying the
+    sampled tokens from the host: prefill chunks that end their prompts continue too; a chunk that
+    does not, or a row asking for top logprobs, does not."""
+    from openinfer.scheduler import ScheduledSeq
+    sched, bm = _sched(tokenizer)
+    prev = _decode_batch(sched, [16, 5])
+    seq = prev.items[1].seq
+    prev.items[1] = ScheduledSeq(seq, 0, 5, True)  # its whole prompt as one chunk
+    nxt = sched.continue_decode(prev, tokens=np.array([11, 22], np.int32))
+    assert [(it.start, it.token, it.feed_row) for it in nxt.items] == [(16, 11, -1), (5, 22, -1)]
+    args = Runner.pack(nxt, 16)
+    assert list(args["input_ids"]) == [11, 22] and "prev_rows" not in args
+    assert sched.continue_decode(prev) is None  # not a decode-only batch: nothing to feed on the device from
+    prev.items[1] = ScheduledSeq(seq, 0, 3, False)  # a chunk that leaves prompt tokens to prefill
+    assert sched.continue_decode(prev, tokens=np.array([11], np.int32)) is None
+    prev.items[1] = ScheduledSeq(seq, 0, 5, True)
+    seq.params = SamplingParams(max_tokens=3, logprobs=2)
+    assert sched.continue_decode(prev, tokens=np.array([11, 22], np.int32)) is None

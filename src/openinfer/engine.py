@@ -117,7 +117,13 @@ class LLMEngine:
                 self.runner.launch(batch, before_launch)
                 self._inflight = batch
                 return [], False
-            return self.scheduler.postprocess(batch, self.runner.run(batch, before_launch)), True
+            out = self.runner.run(batch, before_launch)
+            if self._overlap:  # the decode step after a synchronous one goes out before its postprocess
+                self._inflight = self.scheduler.continue_decode(batch, tokens=out.tokens)
+                if self._inflight is not None:
+                    self.runner.launch(self._inflight)
+                    self._timing["overlapped"] += 1
+            return self.scheduler.postprocess(batch, out), True
         nxt = self.scheduler.continue_decode(prev) if self._overlap else None
         if nxt is not None:
             self.runner.launch(nxt, before_launch)

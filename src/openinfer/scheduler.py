@@ -91,6 +91,7 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: it produces a token
     feed_row: int = -1  # >= 0: the input token is row feed_row of the step still in flight (not on the host yet)
+    token: int = -1  # >= 0: the input token, known on the host but not yet appended (postprocess comes later)
 
 
 @dataclass
@@ -240,19 +241,32 @@ class Scheduler:
         return bool(batch.items) and all(it.num_tokens == 1 and it.sample and not it.seq.params.logprobs
                                          for it in batch.items)
 
-    def continue_decode(self, prev: ScheduledBatch) -> ScheduledBatch | None:
-        """The decode step after `prev` (overlappable, still running): one row per sequence of prev
-        that is still running and whose pending token cannot end it by length, fed from prev's output.
-        None when the step should not be overlapped: a waiting request can be admitted (a normal
-        schedule() takes it), or no row would remain. A sequence that stops on prev's token (EOS, a stop
-        string) wastes its row: postprocess() skips rows of finished sequences."""
+    def continue_decode(self, prev: ScheduledBatch, tokens=None) -> ScheduledBatch | None:
+        """The decode step after `prev`, scheduled before prev's postprocess(): one row per sequence of
+        prev that is still running and whose pending token cannot end it by length. Without `tokens`,
+        prev is an overlappable step still in flight and the rows are fed on the device from its output;
+        with `tokens` (prev's sampled tokens, on the host after a synchronous step) prev may be any batch
+        whose every item samples (decode rows, chunks that end their prompts) and the rows carry them.
+        None when the step should not follow at once: a waiting request can be admitted (a normal
+        schedule() takes it), a prompt is still being prefilled, a row asks for top logprobs, or no row
+        would remain. A sequence that stops on prev's token (EOS, a stop string) wastes its row:
+        postprocess() skips rows of finished sequences."""
         if self._can_admit_next():
             return None
+        if tokens is None:
+            if not self.overlappable(prev):
+                return None
+        elif not prev.items or any(not it.sample or it.seq.params.logprobs for it in prev.items):
+            return None
         batch = ScheduledBatch()
-        for row, it in enumerate(prev.items):
+        for row, it in enumerate(prev.items):  # every item samples: item i is output row i
             seq = it.seq
             if seq.status is Status.RUNNING and len(seq.token_ids) + 1 < seq.max_len:
-                batch.items.append(ScheduledSeq(seq, it.start + 1, 1, True, feed_row=row))
+                start = it.start + it.num_tokens  # the pending token's position
+                if tokens is None:
+                    batch.items.append(ScheduledSeq(seq, start, 1, True, feed_row=row))
+                else:
+                    batch.items.append(ScheduledSeq(seq, start, 1, True, token=int(tokens[row])))
         if not batch.items:
             return None
         for it in batch.items:
