@@ -1,7 +1,10 @@
 """Kernel timings at Qwen3 decode shapes, cold L2, medians: the fused small-batch GEMM against
-rmsnorm/silu + cuBLASLt, as % of the bandwidth floor (weight bytes / 4.21 TB/s).
+rmsnorm/silu + cuBLASLt, as % of the bandwidth floor (weight bytes / 4.21 TB/s). With --chain: the
+decode step's four projections x all layers in one CUDA graph (the weight stream without attention).
 
   python bench/bench_kernels.py --out bench/results/kernels.json
+  python bench/bench_kernels.py --chain 4b,8b --rows 1,4
+  python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64
 """
 from __future__ import annotations
 
@@ -14,6 +17,38 @@ SHAPES = {  # name: (N, K, prologue, epilogue); prologue 1 = RMSNorm; epilogue 1
     "4b.down": (2560, 9728, 0, 1), "4b.lm_head": (151936, 2560, 1, 2),
     "32b.gate_up": (51200, 5120, 1, 3), "32b.down": (5120, 25600, 0, 1),
 }
+CHAINS = {  # one decoder layer's projections (qkv, o, gate_up, down) and the layer count
+    "4b": ([(6144, 2560, 1, 0), (2560, 4096, 0, 1), (19456, 2560, 1, 3), (2560, 9728, 0, 1)], 36),
+    "8b": ([(6144, 4096, 1, 0), (4096, 4096, 0, 1), (24576, 4096, 1, 3), (4096, 12288, 0, 1)], 36),
+    "32b": ([(10240, 5120, 1, 0), (5120, 8192, 0, 1), (51200, 5120, 1, 3), (5120, 25600, 0, 1)], 64),
+}
+
+
+def attention(a, _engine) -> list:
+    """Decode attention (4B heads: 32 query, 8 KV), one launch per layer of 36 in a graph."""
+    rows = []
+    print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
+    for case in a.attention.split(","):
+        B, ctx = (int(v) for v in case.split("x"))
+        for sp in (int(v) for v in a.splits.split(",")):
+            us, used = _engine.ops.bench_attention(B, ctx, 32, 8, 36, sp, a.reps)
+            mb = B * ctx * 8 * 128 * 2 * 2 / 1e6
+            rows.append({"batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
+            print(f"{B:5d} {ctx:6d} {used:6d} {mb:7.1f} {us:8.2f} {mb * 1e3 / us:7.0f}", flush=True)
+    return rows
+
+
+def chain(a, _engine) -> list:
+    rows = []
+    print(f"{'model':6} {'M':>2} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
+    for model in a.chain.split(","):
+        shapes, layers = CHAINS[model]
+        floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
+        for M in (int(m) for m in a.rows.split(",")):
+            us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
+            rows.append({"model": model, "M": M, "floor_us": floor, "graph_us": us, "layers": layers})
+            print(f"{model:6} {M:2d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% {us / layers:9.2f}", flush=True)
+    return rows
 
 
 def main() -> None:
@@ -21,8 +56,18 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--chain", default=None, help="models (4b,8b,32b): time the GEMV chain instead")
+    ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
+    ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     a = ap.parse_args()
     from openinfer import _engine
+
+    if a.chain or a.attention:
+        rows = chain(a, _engine) if a.chain else attention(a, _engine)
+        if a.out:
+            json.dump({"command": "python bench/bench_kernels.py " + (f"--chain {a.chain}" if a.chain else
+                       f"--attention {a.attention} --splits {a.splits}"), "rows": rows}, open(a.out, "w"), indent=1)
+        return
 
     rows = []
     print(f"{'shape':14} {'M':>2} {'floor us':>9} {'fused us':>9} {'cublas us':>9} {'fused %':>8} {'cublas %':>8}")

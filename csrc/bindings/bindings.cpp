@@ -12,6 +12,7 @@
 #include <cuda_profiler_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 
 namespace py = pybind11;
@@ -68,6 +69,42 @@ ModelDims dims_from(const py::dict& c) {
   d.rope_theta = c["rope_theta"].cast<double>();
   d.tied = c["tie_word_embeddings"].cast<bool>();
   return d;
+}
+
+// Median time (us) of one replay of the CUDA graph that `enqueue` captures on a fresh stream (after one
+// uncaptured run, which configures the kernels, and three warm-up replays).
+template <typename F>
+double graph_median_us(F&& enqueue, int reps) {
+  cudaStream_t st;
+  OI_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+  enqueue(st);
+  OI_CUDA_CHECK(cudaStreamSynchronize(st));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  OI_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+  enqueue(st);
+  OI_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+  OI_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t e0, e1;
+  OI_CUDA_CHECK(cudaEventCreate(&e0));
+  OI_CUDA_CHECK(cudaEventCreate(&e1));
+  std::vector<float> t;
+  for (int i = 0; i < reps + 3; ++i) {
+    OI_CUDA_CHECK(cudaEventRecord(e0, st));
+    OI_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    OI_CUDA_CHECK(cudaEventRecord(e1, st));
+    OI_CUDA_CHECK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    OI_CUDA_CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    if (i >= 3) t.push_back(ms * 1000.f);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(st);
+  std::sort(t.begin(), t.end());
+  return (double)t[t.size() / 2];
 }
 
 Gemm& ops_gemm() {
@@ -281,6 +318,34 @@ PYBIND11_MODULE(_engine, m) {
     if (f32out) return py::object(dy.get<float>({M, ncols}));
     return py::object(dy.get<uint16_t>({M, ncols}));
   });
+  ops.def("bench_gemv_chain", [](int M, const std::vector<std::array<int, 4>>& shapes, int layers, int reps) {
+    // Median graph-replay time (us) of `layers` repetitions of the fused GEMVs `shapes` ((N, K, prologue,
+    // epilogue) each), every layer with its own weights: the decode step's weight stream without attention.
+    size_t per_layer = 0, max_k = 0, max_n = 0;
+    for (const auto& sh : shapes) {
+      per_layer += (size_t)sh[0] * sh[1];
+      max_n = std::max<size_t>(max_n, sh[0]);
+      max_k = std::max<size_t>(max_k, sh[1]);
+    }
+    Dev w(per_layer * layers * 2), x((size_t)M * max_k * 2), nw(max_k * 2), y((size_t)M * max_n * 4);
+    fill_normal(w.as<bf16>(), (int64_t)(per_layer * layers), 1, 0.f, 0.02f, 0);
+    fill_normal(x.as<bf16>(), (int64_t)(M * max_k), 2, 0.f, 1.f, 0);
+    fill_normal(nw.as<bf16>(), (int64_t)max_k, 3, 1.f, 0.1f, 0);
+    OI_CUDA_CHECK(cudaMemset(y.p, 0, y.n));
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    cudaDeviceProp prop{};
+    OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    return graph_median_us([&](cudaStream_t st) {
+      const bf16* W = w.as<bf16>();
+      for (int l = 0; l < layers; ++l)
+        for (const auto& sh : shapes) {
+          GemvArgs g{x.as<bf16>(), nw.as<bf16>(), 1e-6f, W, y.p, M, sh[0], sh[1]};
+          if (!gemv(g, (GemvIn)sh[2], (GemvOut)sh[3], prop.multiProcessorCount, st))
+            throw std::invalid_argument("bench_gemv_chain: the fused GEMV refuses a shape");
+          W += (size_t)sh[0] * sh[1];
+        }
+    }, reps);
+  });
   ops.def("bench_linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {
     // Median time (us) of one linear layer with a cold L2: the weights rotate over >= 256 MB of copies.
     const size_t wbytes = (size_t)N * K * 2;
@@ -399,6 +464,44 @@ PYBIND11_MODULE(_engine, m) {
             for (int v : cnt) OI_CHECK(v == 0, "paged_attention left a split counter at " << v);
             return py::make_tuple(dout.get<uint16_t>({T, num_heads * D}), num_splits);
           });
+  ops.def("bench_attention", [](int B, int ctx, int num_heads, int num_kv_heads, int layers, int num_splits, int reps) {
+    // Median time (us) of one decode attention launch (B rows, each `ctx` keys) inside a CUDA graph of
+    // `layers` launches over as many layers of the cache (cold L2, as in a real step).
+    const int D = 128, pages = (ctx + 15) / 16, qw = (num_heads + 2 * num_kv_heads) * D;
+    const KvLayout kv{layers, num_kv_heads, 16, D};
+    Dev cache((size_t)B * pages * kv.block_stride() * 2), q((size_t)B * qw * 2), out((size_t)B * num_heads * D * 2);
+    fill_normal(cache.as<bf16>(), (int64_t)(cache.n / 2), 5, 0.f, 1.f, 0);
+    fill_normal(q.as<bf16>(), (int64_t)B * qw, 6, 0.f, 1.f, 0);
+    std::vector<int32_t> bt((size_t)B * pages), pos(B, ctx - 1), lens(B, ctx);
+    for (size_t i = 0; i < bt.size(); ++i) bt[i] = (int32_t)((i * 7919) % bt.size());  // scattered pages
+    std::vector<AttnWork> work;
+    for (int b = 0; b < B; ++b) work.push_back(AttnWork{b, b, 1, 0});
+    cudaDeviceProp prop{};
+    OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    const int max_split_rows = 1 << 16;
+    if (num_splits <= 0)
+      num_splits = attn_num_splits(B, num_kv_heads, ctx, B, prop.multiProcessorCount, max_split_rows);
+    Dev dbt(bt.size() * 4), dpos((size_t)B * 4), dlen((size_t)B * 4), dwork(work.size() * sizeof(AttnWork));
+    Dev dwo((size_t)num_splits * B * num_heads * D * 4), dwl((size_t)num_splits * B * num_heads * 4), dcnt((size_t)B * num_kv_heads * 4);
+    OI_CUDA_CHECK(cudaMemcpy(dbt.p, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dpos.p, pos.data(), B * 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dlen.p, lens.data(), B * 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemset(dcnt.p, 0, dcnt.n));
+    AttnArgs a{};
+    a.q = q.as<bf16>(); a.q_stride = qw; a.kv_cache = cache.as<bf16>(); a.kv = kv;
+    a.block_tables = dbt.as<int32_t>(); a.bt_stride = pages; a.positions = dpos.as<int32_t>();
+    a.context_lens = dlen.as<int32_t>(); a.work = dwork.as<AttnWork>(); a.num_work = B; a.num_tokens = B;
+    a.num_heads = num_heads; a.num_splits = num_splits; a.max_rows = num_heads / num_kv_heads;
+    a.out = out.as<bf16>(); a.ws_o = dwo.as<float>(); a.ws_lse = dwl.as<float>(); a.counters = dcnt.as<int>();
+    const double us = graph_median_us([&](cudaStream_t st) {
+      for (int l = 0; l < layers; ++l) {
+        a.layer = l;
+        paged_attention(a, st);
+      }
+    }, reps);
+    return py::make_tuple(us / layers, num_splits);
+  });
   ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
                        const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,
                        int num_logprobs) {

@@ -38,6 +38,7 @@ struct AttnArgs {
 constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16
 constexpr int kAttnChunkAlign = 64;       // split boundaries fall on multiples of this many keys (128 measured slower)
 constexpr int kAttnMaxSplits = 64;        // merge weights of a block's rows fit its shared memory
+constexpr int kAttnMaxCluster = 16;       // decode splits merged through distributed shared memory
 
 // Tokens per work item for a group size (rows per block / group).
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }
