@@ -1,6 +1,7 @@
 """End to end on the reference backend with the tiny checkpoint."""
 import json
 import shutil
+from collections import deque
 
 import numpy as np
 import pytest
@@ -161,3 +162,21 @@ def test_step_timing_reported(engine):
     assert s["step_wall_seconds"] > before["step_wall_seconds"]
     assert s["last_step_wall_ms"] > 0 and s["last_step_gpu_ms"] == 0.0
     assert s["last_step_host_ms"] == s["last_step_wall_ms"]
+
+
+def test_close_releases_and_refuses(tiny_dir):
+    """close() drops running requests (an overlapped step in flight included), frees the backend's
+    memory and makes later work fail clearly; the context manager closes on exit."""
+    with Engine(str(tiny_dir), device="cpu", num_kv_blocks=32) as eng:
+        le = eng.llm_engine
+        le.add_request("a", [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+        for _ in range(4):  # prefill, then decode steps: one is left in flight (overlapped)
+            le.step()
+        assert le.has_unfinished() and le._inflight is not None
+    assert not le.has_unfinished() and le._inflight is None
+    assert le.block_manager.num_free == le.block_manager.num_usable  # no block leaked
+    assert le.backend.kv_cache is None and not le.backend.w  # memory released
+    assert le.backend._pending == deque()  # the in-flight step was collected
+    with pytest.raises(RuntimeError, match="closed"):
+        eng.generate("hello")
+    eng.close()  # idempotent

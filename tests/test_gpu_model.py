@@ -6,6 +6,7 @@ $OPENINFER_TEST_REPORT/model_report.json when that is set.
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -68,6 +69,12 @@ class Pair:
         self.prompts = [self.tok.encode(p) for p in PROMPTS]
         self.next_block = 1
 
+    def close(self) -> None:
+        """Frees the GPU now: a failed test's traceback can keep the pair referenced, and the next
+        model's engine would then find the previous one's KV cache still allocated."""
+        self.engine.close()
+        self.hf32 = self.hf16 = self.hf16_eager = None
+
     def blocks(self, n_tokens: int) -> list[int]:
         n = -(-n_tokens // 16)
         assert self.next_block + n < self.backend.num_kv_blocks
@@ -116,7 +123,8 @@ PAIRS: dict[str, Pair] = {}
 def pair(request):
     if request.param not in PAIRS:
         for p in list(PAIRS):  # one model pair resident at a time
-            del PAIRS[p]
+            PAIRS.pop(p).close()
+        gc.collect()
         torch.cuda.empty_cache()
         PAIRS[request.param] = Pair(request.param)
     yield PAIRS[request.param]
@@ -232,6 +240,12 @@ def test_batch_equals_each_alone(pair):
     batched = pair.run([(a, pair.blocks(len(a)), 0), (b, bb, len(b) - 1), (c, cb, len(c) - 1)], sample_all=False)
     errs = [rel_err(x[0], y) for x, y in zip(batched, alone)]
     scale = rel_err(pair.hf_logits(pair.hf16, a)[-1], pair.hf_logits(pair.hf32, a)[-1])
-    REPORT.setdefault(pair.dir.name, {})["batch_vs_alone"] = {"rel_err": errs, "hf_bf16_scale": scale}
+    margins = [float(np.diff(np.sort(y)[-2:])[0]) for y in alone]  # top-1 minus top-2 of each alone run
+    REPORT.setdefault(pair.dir.name, {})["batch_vs_alone"] = {"rel_err": errs, "hf_bf16_scale": scale,
+                                                               "alone_top1_top2_margin": margins}
     assert max(errs) <= 1.5 * scale, (errs, scale)
-    assert [int(x[0].argmax()) for x in batched] == [int(y.argmax()) for y in alone]
+    # The GEMMs see other row counts in the batch (cuBLASLt may pick another algorithm), so the logits
+    # differ at bf16 noise (bounded above); the argmax may then flip only on a near-tie, with the same
+    # bound as the greedy test (<= 4 bf16 ulps of a logit near 10).
+    for x, y, m in zip(batched, alone, margins):
+        assert int(x[0].argmax()) == int(y.argmax()) or m <= 0.25, (int(x[0].argmax()), int(y.argmax()), m)

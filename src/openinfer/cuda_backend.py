@@ -58,6 +58,11 @@ def _cublaslt_hint() -> str:
     return ""
 
 
+class _Closed:
+    def __getattr__(self, name):
+        raise RuntimeError("this openinfer engine is closed")
+
+
 class CudaBackend:
     def __init__(self, m: ModelConfig, c: EngineConfig):
         from . import _engine  # compiled module; imported here so that `import openinfer` needs no GPU
@@ -94,6 +99,12 @@ class CudaBackend:
         if c.cuda_graph:
             log.info("CUDA graphs captured for decode batch sizes %s", self.eng.graph_batches)
         self.last_gpu_ms = 0.0
+
+    def close(self) -> None:
+        """Frees the GPU memory now (weights, KV cache, graphs) instead of whenever the last reference
+        goes; pending steps finish first. Idempotent."""
+        eng, self.eng = self.eng, _Closed()
+        del eng  # the C++ destructor syncs the stream and frees everything it allocated
 
     def launch(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
                temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,

@@ -43,6 +43,7 @@ class LLMEngine:
         self.runner = Runner(self.backend, config.kv_block_size)
         self._overlap = config.overlap_steps and hasattr(self.backend, "launch")
         self._inflight = None  # the overlapped decode step launched and not yet collected
+        self._closed = False
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
         log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d", config.device,
                  self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len)
@@ -65,8 +66,21 @@ class LLMEngine:
             weights = load_weights_fp32(c.model_path, m)
         return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size)
 
+    def close(self) -> None:
+        """Drops every request and releases the backend's memory (the GPU's at once). Idempotent; the
+        engine refuses work afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abandon_inflight()
+        for rid in list(self.scheduler.requests):
+            self.scheduler.abort(rid)
+        self.backend.close()
+
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> None:
         """Queues a request; raises RequestRejected (can never run) or QueueFull (try later)."""
+        if self._closed:
+            raise RuntimeError("this openinfer engine is closed")
         params = params or SamplingParams()
         ids = [int(t) for t in prompt_token_ids]
         V = self.model_config.vocab_size
@@ -134,7 +148,7 @@ class LLMEngine:
         return self.scheduler.postprocess(prev, self.runner.collect()), True
 
     def _abandon_inflight(self) -> None:
-        """After a failed step: collect whatever is still queued so the backend starts clean."""
+        """After a failed step (or on close): collect whatever is still queued so the backend starts clean."""
         self._inflight = None
         for _ in range(2):  # at most two queued; a failed collect has still dequeued its step
             try:
@@ -174,6 +188,17 @@ class Engine:
     def __init__(self, model_path: str, **options):
         self.llm_engine = LLMEngine(EngineConfig(model_path=model_path, **options))
         self.tokenizer = self.llm_engine.tokenizer
+
+    def close(self) -> None:
+        """Releases the model's memory now (GPU weights, KV cache, graphs); `with Engine(...) as e:`
+        does it on exit. The engine refuses work afterwards."""
+        self.llm_engine.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:

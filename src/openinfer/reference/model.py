@@ -34,6 +34,9 @@ class ReferenceBackend:
         self._last: StepOutput | None = None
         self._last_decode = False
 
+    def close(self) -> None:
+        self.w, self.kv_cache = {}, None
+
     def launch(self, prev_rows=None, **args) -> None:
         """The overlapped-step contract of the CUDA backend, computed at once: prev_rows[b] >= 0 takes
         row b's input token from the previous launch's output."""
