@@ -155,6 +155,8 @@ ATTN_CASES = {
     "prefill_chunk_after_prefix": [(37, 50)],
     "prefill_chunk_at_block_edge": [(32, 16)],
     "mixed_prefill_and_decode": [(0, 33), (70, 1), (5, 17), (200, 1)],
+    # a few tokens per item keep the one-warp decode kernel (and its split clusters) with causal masks
+    "decode_multi_token_chunks": [(4000, 2), (300, 1), (2000, 3)],
 }
 
 
@@ -164,7 +166,8 @@ def test_paged_attention(model, case):
     _, _, nH, nKV = SHAPES[model]
     rng = np.random.default_rng(abs(hash((model, case))) % 2**32)
     args, want = _attention_case(rng, nH, nKV, ATTN_CASES[case])
-    for splits in (1, 0, 7):  # single pass, the launch heuristic, a forced odd split count
+    # single pass, the launch heuristic, an odd count (no clusters), clusters of 2, 4 (12 splits), 16 (48)
+    for splits in (1, 0, 7, 2, 12, 48):
         got, used = ops().paged_attention(*args, splits)
         err = rel_err(f32(got).reshape(want.shape), want)
         assert err < TOL["attention"], (splits, used, err)

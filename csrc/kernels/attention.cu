@@ -231,8 +231,11 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     // Each block's normalized partial and log-sum-exp go to its own shared memory (free now) ...
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
+    static_assert(!CLU || NW == 1, "the cluster merge assumes one warp per block");
     float* sO = reinterpret_cast<float*>(smem_raw);  // [kRows][kD]
     float* sL = sO + kRows * kD;                     // [kRows]
+    cp_async_wait<0>();  // the overwritten Q/K region: no copy may still land there, no read be pending
+    __syncthreads();
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
       const int r = warp * 16 + g + 8 * h2;
