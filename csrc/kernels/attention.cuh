@@ -1,8 +1,9 @@
 // Causal attention over the paged KV cache, one tensor-core kernel for prefill chunks and decode rows.
 // A work item is (sequence, first token, token count); a block serves one item, one KV head and one
 // split of the key range, with every query head of that KV head's group, so each K/V tile is read
-// once per group. Long contexts are split across blocks (flash-decoding); the last split block to
-// finish merges them.
+// once per group. Long contexts are split across blocks (flash-decoding): decode splits merge inside
+// thread-block clusters through distributed shared memory; between clusters, and for prefill splits,
+// the last block to finish merges the partials from a global workspace.
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
