@@ -75,6 +75,7 @@ ModelDims dims_from(const py::dict& c) {
 // uncaptured run, which configures the kernels, and three warm-up replays).
 template <typename F>
 double graph_median_us(F&& enqueue, int reps) {
+  OI_CHECK(reps >= 1, "reps must be >= 1, got " << reps);
   cudaStream_t st;
   OI_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
   enqueue(st);
@@ -321,8 +322,10 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("bench_gemv_chain", [](int M, const std::vector<std::array<int, 4>>& shapes, int layers, int reps) {
     // Median graph-replay time (us) of `layers` repetitions of the fused GEMVs `shapes` ((N, K, prologue,
     // epilogue) each), every layer with its own weights: the decode step's weight stream without attention.
+    OI_CHECK(M >= 1 && layers >= 1 && !shapes.empty(), "bench_gemv_chain: need M >= 1, layers >= 1 and a shape");
     size_t per_layer = 0, max_k = 0, max_n = 0;
     for (const auto& sh : shapes) {
+      OI_CHECK(sh[0] >= 1 && sh[1] >= 1, "bench_gemv_chain: bad shape " << sh[0] << "x" << sh[1]);
       per_layer += (size_t)sh[0] * sh[1];
       max_n = std::max<size_t>(max_n, sh[0]);
       max_k = std::max<size_t>(max_k, sh[1]);
@@ -467,6 +470,10 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("bench_attention", [](int B, int ctx, int num_heads, int num_kv_heads, int layers, int num_splits, int reps) {
     // Median time (us) of one decode attention launch (B rows, each `ctx` keys) inside a CUDA graph of
     // `layers` launches over as many layers of the cache (cold L2, as in a real step).
+    OI_CHECK(B >= 1 && ctx >= 1 && layers >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0 &&
+                 num_heads / num_kv_heads <= 16 && num_splits <= kAttnMaxSplits,
+             "bench_attention: need batch, ctx, layers >= 1, a query group of at most 16 heads and at most "
+                 << kAttnMaxSplits << " splits");
     const int D = 128, pages = (ctx + 15) / 16, qw = (num_heads + 2 * num_kv_heads) * D;
     const KvLayout kv{layers, num_kv_heads, 16, D};
     Dev cache((size_t)B * pages * kv.block_stride() * 2), q((size_t)B * qw * 2), out((size_t)B * num_heads * D * 2);
