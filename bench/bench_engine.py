@@ -76,12 +76,12 @@ class Runner:
         return (time.perf_counter() - t0) * 1e3, self.b.last_gpu_ms
 
 
-def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int) -> list[dict]:
+def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: bool) -> list[dict]:
     import openinfer
 
     t0 = time.perf_counter()
     eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
-                           max_model_len=max(ctx + steps + 16, prefill_len + 16))
+                           max_model_len=max(ctx + steps + 16, prefill_len + 16), pdl=pdl)
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size)
     rows = []
@@ -90,7 +90,7 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
     for _ in range(2):
         r.step([(blocks, 0, prefill_len)])
     pre = [r.step([(blocks, 0, prefill_len)]) for _ in range(5)]
-    rows.append({"preset": preset, "what": "prefill", "tokens": prefill_len,
+    rows.append({"preset": preset, "pdl": pdl, "what": "prefill", "tokens": prefill_len,
                  "wall_ms_median": statistics.median(w for w, _ in pre),
                  "gpu_ms_median": statistics.median(g for _, g in pre), "engine_init_s": init_s})
     print(json.dumps(rows[-1]), flush=True)
@@ -107,7 +107,7 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
             if i >= 3:  # warm-up
                 walls.append(w)
                 gpus.append(g)
-        row = {"preset": preset, "what": "decode", "batch": B, "ctx": ctx, "steps": len(walls),
+        row = {"preset": preset, "pdl": pdl, "what": "decode", "batch": B, "ctx": ctx, "steps": len(walls),
                "wall_ms_median": statistics.median(walls), "gpu_ms_median": statistics.median(gpus),
                "wall_ms_p90": float(np.percentile(walls, 90))}
         row["cpu_overhead_ms"] = row["wall_ms_median"] - row["gpu_ms_median"]
@@ -117,7 +117,7 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
         rows.append(row)
         print(json.dumps(row), flush=True)
         r.next_block = blocks[-1] + 1  # reuse the pool for the next batch size
-    del eng
+    eng.close()
     return rows
 
 
@@ -128,12 +128,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     rows = []
     for preset in a.preset.split(","):
-        rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len)
+        for pdl in a.pdl.split(","):
+            rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl == "1")
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:

@@ -7,6 +7,7 @@
 #include "../engine/engine.h"
 #include "../kernels/elementwise.cuh"
 #include "../kernels/gemv.cuh"
+#include "../kernels/launch.cuh"
 #include "../kernels/random_init.cuh"
 
 #include <cuda_profiler_api.h>
@@ -189,6 +190,7 @@ PYBIND11_MODULE(_engine, m) {
              o.num_kv_blocks = opts["num_kv_blocks"].cast<int>();
              o.cublaslt_path = opts["cublaslt_path"].cast<std::string>();
              o.cuda_graph = opts["cuda_graph"].cast<bool>();
+             if (opts.contains("pdl")) o.pdl = opts["pdl"].cast<bool>();
              ModelDims d = dims_from(model);
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(d, o);
@@ -262,6 +264,10 @@ PYBIND11_MODULE(_engine, m) {
 
   // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
+  ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
+          "programmatic dependent launch for later launches and captures (process-wide; engines set it too)");
+  ops.def("gemv_prefetch_tiles", [](int n) { gemv_set_prefetch_tiles(n); },
+          "tiles each GEMV block prefetches into L2 ahead of its register loads (benchmark A/B)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
     const int H = (int)w.size(), T = (int)(x.size() / H);
     Dev dx(x), dw(w), dout(x.size() * 2);

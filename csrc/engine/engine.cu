@@ -5,6 +5,7 @@
 #include <thread>
 
 #include "../kernels/elementwise.cuh"
+#include "../kernels/launch.cuh"
 #include "../kernels/random_init.cuh"
 #include "engine.h"
 
@@ -43,6 +44,8 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   num_sms_ = prop.multiProcessorCount;
   device_name_ = prop.name;
+  pdl_ = opt_.pdl && prop.major >= 9;
+  pdl_enabled() = pdl_;  // process-wide and read at every launch: set again before this engine launches
   OI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   OI_CUDA_CHECK(cudaEventCreate(&ev0_));
   OI_CUDA_CHECK(cudaEventCreate(&ev1_));
@@ -217,6 +220,7 @@ void Engine::init_random(uint64_t seed) {
 
 int64_t Engine::finalize() {
   OI_CHECK(!finalized_, "finalize() called twice");
+  pdl_enabled() = pdl_;  // the graphs are captured below
   release_upload_stages();  // every weight is on the GPU once the stream drains
   const int64_t T = opt_.max_num_tokens, S = opt_.max_num_seqs, H = d_.hidden, I = d_.intermediate;
   auto ab = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &act_bytes_)); };
@@ -452,6 +456,7 @@ StepResult Engine::step(const HostStep& in) {
 
 void Engine::launch(const HostStep& in) {
   OI_CHECK(finalized_, "launch() before finalize()");
+  pdl_enabled() = pdl_;
   OI_CHECK(pending_.size() < 2, "launch() with two steps already pending: collect() first");
   const Checked c = check(in, num_blocks_);
   if (in.prev_rows) {

@@ -19,6 +19,7 @@ struct EngineOptions {
   int num_kv_blocks = 0;       // > 0: use exactly this many blocks instead of sizing from free memory
   std::string cublaslt_path;   // hint for dlopen; empty: the loader's search path
   bool cuda_graph = true;      // capture decode steps for the batch sizes of graph_batch_sizes()
+  bool pdl = true;             // programmatic dependent launch between kernels (kernels/launch.cuh)
 };
 
 // Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to max_num_seqs (and it).
@@ -125,6 +126,7 @@ class Engine {
   char* dev_meta_ = nullptr;
   size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
   bool finalized_ = false;
+  bool pdl_ = false;  // programmatic dependent launch on this device (options and sm_90+)
   std::vector<Graph> graphs_;  // ascending batch
   GraphArena ga_{};
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them

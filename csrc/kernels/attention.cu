@@ -5,6 +5,7 @@
 
 #include "async_copy.cuh"
 #include "attention.cuh"
+#include "launch.cuh"
 
 namespace oi {
 namespace {
@@ -55,6 +56,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
   __shared__ int s_last;
+  pdl_wait();  // Q and this step's keys come from the previous kernel
+  pdl_trigger();
 
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
@@ -393,20 +396,12 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStr
     if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     configured = true;
   }
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(NW * 32);
-  cfg.dynamicSmemBytes = smem_bytes<NW, KT>();
-  cfg.stream = s;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeClusterDimension;
-  attr.val.clusterDim.x = 1;
-  attr.val.clusterDim.y = 1;
-  attr.val.clusterDim.z = cluster;
-  cfg.attrs = &attr;
-  cfg.numAttrs = CLU ? 1 : 0;
-  OI_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, a, scale_log2));
-  OI_LAUNCH_CHECK("paged_attention_kernel");
+  cudaLaunchAttribute clu{};
+  clu.id = cudaLaunchAttributeClusterDimension;
+  clu.val.clusterDim.x = 1;
+  clu.val.clusterDim.y = 1;
+  clu.val.clusterDim.z = cluster;
+  OI_CUDA_CHECK(launch_pdl(kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
 }
 
 }  // namespace

@@ -1,4 +1,5 @@
 #include "elementwise.cuh"
+#include "launch.cuh"
 
 namespace oi {
 namespace {
@@ -11,6 +12,8 @@ struct alignas(16) Vec8 {
 
 __global__ void embedding_kernel(const bf16* __restrict__ table, const int32_t* __restrict__ ids,
                                  bf16* __restrict__ out, int H) {
+  pdl_wait();
+  pdl_trigger();
   const int t = blockIdx.x;
   const Vec8* src = reinterpret_cast<const Vec8*>(table + (int64_t)ids[t] * H);
   Vec8* dst = reinterpret_cast<Vec8*>(out + (int64_t)t * H);
@@ -35,6 +38,8 @@ constexpr int kMaxVec = 4;  // up to 8192 hidden
 __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const bf16* __restrict__ x,
                                                                const bf16* __restrict__ w,
                                                                bf16* __restrict__ out, int H, float eps) {
+  pdl_wait();
+  pdl_trigger();
   __shared__ float red[32];
   const int64_t row = blockIdx.x;
   const Vec8* xr = reinterpret_cast<const Vec8*>(x + row * H);
@@ -75,6 +80,8 @@ __global__ void __launch_bounds__(kNormThreads) rmsnorm_kernel(const bf16* __res
 }
 
 __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ out, int I) {
+  pdl_wait();
+  pdl_trigger();
   const int64_t t = blockIdx.y;
   const Vec8* g = reinterpret_cast<const Vec8*>(gu + t * 2 * I);
   const Vec8* u = reinterpret_cast<const Vec8*>(gu + t * 2 * I + I);
@@ -98,23 +105,21 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ 
 void embedding_lookup(const bf16* table, const int32_t* ids, bf16* out, int T, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "embedding_lookup: hidden size " << H << " is not a multiple of 8");
   if (T == 0) return;
-  embedding_kernel<<<T, 128, 0, s>>>(table, ids, out, H);
-  OI_LAUNCH_CHECK("embedding_kernel");
+  OI_CUDA_CHECK(launch_pdl(embedding_kernel, dim3(T), dim3(128), 0, s, nullptr, table, ids, out, H));
 }
 
 void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "gather_rows: hidden size " << H << " is not a multiple of 8");
   if (R == 0) return;
-  embedding_kernel<<<R, 128, 0, s>>>(x, idx, out, H);  // a gather is the same access pattern
-  OI_LAUNCH_CHECK("gather_rows");
+  // a gather is the same access pattern
+  OI_CUDA_CHECK(launch_pdl(embedding_kernel, dim3(R), dim3(128), 0, s, nullptr, x, idx, out, H));
 }
 
 void rmsnorm(const bf16* x, const bf16* w, bf16* out, int T, int H, float eps, cudaStream_t s) {
   OI_CHECK(H % kVec == 0 && H <= kMaxVec * kVec * kNormThreads,
            "rmsnorm: hidden size " << H << " must be a multiple of 8 and at most " << kMaxVec * kVec * kNormThreads);
   if (T == 0) return;
-  rmsnorm_kernel<<<T, kNormThreads, 0, s>>>(x, w, out, H, eps);
-  OI_LAUNCH_CHECK("rmsnorm_kernel");
+  OI_CUDA_CHECK(launch_pdl(rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, s, nullptr, x, w, out, H, eps));
 }
 
 void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
@@ -122,12 +127,13 @@ void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
   if (T == 0) return;
   const int threads = 256;
   dim3 grid((I / kVec + threads - 1) / threads, T);
-  silu_mul_kernel<<<grid, threads, 0, s>>>(gu, out, I);
-  OI_LAUNCH_CHECK("silu_mul_kernel");
+  OI_CUDA_CHECK(launch_pdl(silu_mul_kernel, grid, dim3(threads), 0, s, nullptr, gu, out, I));
 }
 
 namespace {
 __global__ void feed_tokens_kernel(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B) {
+  pdl_wait();
+  pdl_trigger();
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b < B && prev_rows[b] >= 0) ids[b] = prev_tokens[prev_rows[b]];
 }
@@ -135,8 +141,8 @@ __global__ void feed_tokens_kernel(int32_t* ids, const int32_t* prev_rows, const
 
 void feed_tokens(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B, cudaStream_t s) {
   if (B <= 0) return;
-  feed_tokens_kernel<<<(B + 255) / 256, 256, 0, s>>>(ids, prev_rows, prev_tokens, B);
-  OI_LAUNCH_CHECK("feed_tokens_kernel");
+  OI_CUDA_CHECK(launch_pdl(feed_tokens_kernel, dim3((B + 255) / 256), dim3(256), 0, s, nullptr, ids, prev_rows,
+                           prev_tokens, B));
 }
 
 }  // namespace oi

@@ -1,6 +1,7 @@
 #include <cmath>
 #include <vector>
 
+#include "launch.cuh"
 #include "rope_kv.cuh"
 
 namespace oi {
@@ -22,6 +23,8 @@ __global__ void qk_norm_rope_kv_kernel(bf16* __restrict__ qkv, const bf16* __res
                                        const bf16* __restrict__ kw, const int32_t* __restrict__ positions,
                                        const int32_t* __restrict__ slots, const float2* __restrict__ cos_sin,
                                        bf16* __restrict__ cache, int layer, KvLayout kv, int nH, float eps) {
+  pdl_wait();  // qkv comes from the previous kernel
+  pdl_trigger();
   const int t = blockIdx.x;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nKV = kv.num_kv_heads;
@@ -93,9 +96,8 @@ void qk_norm_rope_kv_write(bf16* qkv, const bf16* q_norm_w, const bf16* k_norm_w
   OI_CHECK(kv.head_dim == kD, "qk_norm_rope_kv_write: head_dim " << kv.head_dim << " is not supported (only 128)");
   if (T == 0) return;
   const int heads = num_heads + 2 * kv.num_kv_heads;
-  qk_norm_rope_kv_kernel<<<dim3(T, (heads + 7) / 8), 256, 0, s>>>(qkv, q_norm_w, k_norm_w, positions, slot_mapping,
-                                                                   cos_sin, kv_cache, layer, kv, num_heads, eps);
-  OI_LAUNCH_CHECK("qk_norm_rope_kv_kernel");
+  OI_CUDA_CHECK(launch_pdl(qk_norm_rope_kv_kernel, dim3(T, (heads + 7) / 8), dim3(256), 0, s, nullptr, qkv, q_norm_w,
+                           k_norm_w, positions, slot_mapping, cos_sin, kv_cache, layer, kv, num_heads, eps));
 }
 
 }  // namespace oi

@@ -1,6 +1,7 @@
 #include <cfloat>
 
 #include "hash.cuh"
+#include "launch.cuh"
 #include "sampling.cuh"
 
 namespace oi {
@@ -104,6 +105,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
   __shared__ float hist[256];
   __shared__ uint32_t sprefix;
   __shared__ float srem;
+  pdl_wait();  // the logits come from the lm_head
+  pdl_trigger();
   const int row = blockIdx.x;
   const float* l = a.logits + (int64_t)row * a.vocab;
   const int V = a.vocab;
@@ -165,8 +168,7 @@ void sample(const SampleArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_logprobs >= 0 && a.num_logprobs <= kMaxLogprobs,
            "sample: num_logprobs " << a.num_logprobs << " outside 0.." << kMaxLogprobs);
   if (a.num_rows == 0) return;
-  sample_kernel<<<a.num_rows, kThreads, 0, s>>>(a);
-  OI_LAUNCH_CHECK("sample_kernel");
+  OI_CUDA_CHECK(launch_pdl(sample_kernel, dim3(a.num_rows), dim3(kThreads), 0, s, nullptr, a));
 }
 
 }  // namespace oi

@@ -134,6 +134,7 @@ class EngineConfig:
     kv_block_size: int = 16
     enable_prefix_caching: bool = True
     cuda_graph: bool = True
+    pdl: bool = True  # programmatic dependent launch: a kernel streams its weights while the previous one ends
     overlap_steps: bool = True  # launch decode step N+1 before step N's tokens reach the host
     num_kv_blocks: int | None = None  # override the pool size (cpu default: 512 MiB of fp32 KV)
     max_waiting: int = 1024
