@@ -76,12 +76,12 @@ class Runner:
         return (time.perf_counter() - t0) * 1e3, self.b.last_gpu_ms
 
 
-def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: bool) -> list[dict]:
+def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str) -> list[dict]:
     import openinfer
 
     t0 = time.perf_counter()
     eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
-                           max_model_len=max(ctx + steps + 16, prefill_len + 16), pdl=pdl)
+                           max_model_len=max(ctx + steps + 16, prefill_len + 16), pdl=pdl != "0")
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size)
     rows = []
@@ -135,7 +135,7 @@ def main() -> None:
     rows = []
     for preset in a.preset.split(","):
         for pdl in a.pdl.split(","):
-            rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl == "1")
+            rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -150,9 +150,9 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'preset':10} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
+    print(f"{'preset':10} {'pdl':3} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['preset']:10} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
+        print(f"{r['preset']:10} {r['pdl']:3} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
               f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f}")
 
 

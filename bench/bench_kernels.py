@@ -3,7 +3,7 @@ rmsnorm/silu + cuBLASLt, as % of the bandwidth floor (weight bytes / 4.21 TB/s).
 decode step's four projections x all layers in one CUDA graph (the weight stream without attention).
 
   python bench/bench_kernels.py --out bench/results/kernels.json
-  python bench/bench_kernels.py --chain 4b,8b --rows 1,4 --pdl 1,0 --prefetch 0,1,2
+  python bench/bench_kernels.py --chain 4b,8b --rows 1,4 --pdl 1,0
   python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64
 """
 from __future__ import annotations
@@ -39,24 +39,20 @@ def attention(a, _engine) -> list:
 
 
 def chain(a, _engine) -> list:
-    """The GEMV chain per model and row count, for each PDL setting and L2 prefetch depth asked for."""
+    """The GEMV chain per model and row count, for each PDL setting asked for."""
     rows = []
-    print(f"{'model':6} {'M':>2} {'pdl':>3} {'pf':>2} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
+    print(f"{'model':6} {'M':>2} {'pdl':>3} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
     for model in a.chain.split(","):
         shapes, layers = CHAINS[model]
         floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
         for M in (int(m) for m in a.rows.split(",")):
             for pdl in (int(v) for v in a.pdl.split(",")):
-                for pf in (int(v) for v in a.prefetch.split(",")):
-                    _engine.ops.set_pdl(bool(pdl))
-                    _engine.ops.gemv_prefetch_tiles(pf)
-                    us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
-                    rows.append({"model": model, "M": M, "pdl": pdl, "prefetch_tiles": pf, "floor_us": floor,
-                                 "graph_us": us, "layers": layers})
-                    print(f"{model:6} {M:2d} {pdl:3d} {pf:2d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% "
-                          f"{us / layers:9.2f}", flush=True)
+                _engine.ops.set_pdl(bool(pdl))
+                us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
+                rows.append({"model": model, "M": M, "pdl": pdl, "floor_us": floor, "graph_us": us, "layers": layers})
+                print(f"{model:6} {M:2d} {pdl:3d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% {us / layers:9.2f}",
+                      flush=True)
     _engine.ops.set_pdl(True)
-    _engine.ops.gemv_prefetch_tiles(1)
     return rows
 
 
@@ -69,14 +65,13 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
-    ap.add_argument("--prefetch", default="1", help="--chain: GEMV L2 prefetch depths in tiles to time (0,1,2)")
     a = ap.parse_args()
     from openinfer import _engine
 
     if a.chain or a.attention:
         rows = chain(a, _engine) if a.chain else attention(a, _engine)
         if a.out:
-            json.dump({"command": "python bench/bench_kernels.py " + (f"--chain {a.chain} --rows {a.rows} --pdl {a.pdl} --prefetch {a.prefetch}" if a.chain else
+            json.dump({"command": "python bench/bench_kernels.py " + (f"--chain {a.chain} --rows {a.rows} --pdl {a.pdl}" if a.chain else
                        f"--attention {a.attention} --splits {a.splits}"), "rows": rows}, open(a.out, "w"), indent=1)
         return
 

@@ -214,6 +214,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("device_name", &Engine::device_name)
       .def_property_readonly("graph_batches", &Engine::graph_batches)
       .def_property_readonly("graph_steps", &Engine::graph_steps)
+      .def_property("pdl", &Engine::pdl, &Engine::set_pdl)
       .def("step",
            [](Engine& e, const Arr<int32_t>& input_ids, const Arr<int32_t>& positions, const Arr<int32_t>& qsl,
               const Arr<int32_t>& context_lens, const Arr<int32_t>& block_tables, const Arr<int32_t>& slot_mapping,
@@ -266,8 +267,6 @@ PYBIND11_MODULE(_engine, m) {
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for later launches and captures (process-wide; engines set it too)");
-  ops.def("gemv_prefetch_tiles", [](int n) { gemv_set_prefetch_tiles(n); },
-          "tiles each GEMV block prefetches into L2 ahead of its register loads (benchmark A/B)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
     const int H = (int)w.size(), T = (int)(x.size() / H);
     Dev dx(x), dw(w), dout(x.size() * 2);

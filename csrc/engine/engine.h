@@ -73,6 +73,9 @@ class Engine {
   int num_sms() const { return num_sms_; }
   std::vector<int> graph_batches() const;
   int64_t graph_steps() const { return graph_steps_; }
+  // PDL for later eager launches (captured graphs keep their edges): tests compare the two launch modes.
+  bool pdl() const { return pdl_; }
+  void set_pdl(bool on) { pdl_ = on; }
   std::string device_name() const { return device_name_; }
 
  private:

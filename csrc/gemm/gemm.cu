@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "gemm.h"
+#include "../kernels/launch.cuh"
 
 #define OI_LT_CHECK(expr)                                                                         \
   do {                                                                                            \
@@ -163,6 +164,7 @@ void Gemm::run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool 
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   OI_LT_CHECK(api_->cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, W, p.a, X, p.b, &beta, Y,
                                    p.c, Y, p.c, &p.algo, workspace_, workspace_bytes_, s));
+  pdl_follows_library() = true;
 }
 
 }  // namespace oi

@@ -13,11 +13,4 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Asks for `bytes` (a multiple of 16, 16-byte aligned) of global memory to be brought into L2 (sm_90).
-__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(gmem), "r"(bytes) : "memory");
-#endif
-}
-
 }  // namespace oi

@@ -56,8 +56,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
   __shared__ int s_last;
-  pdl_wait();  // Q and this step's keys come from the previous kernel
-  pdl_trigger();
+  // Q and this step's keys come from the previous kernel. No early trigger: the next GEMV's weight
+  // requests would queue ahead of this latency-bound kernel's KV loads.
+  pdl_wait();
 
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
@@ -401,7 +402,9 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStr
   clu.val.clusterDim.x = 1;
   clu.val.clusterDim.y = 1;
   clu.val.clusterDim.z = cluster;
-  OI_CUDA_CHECK(launch_pdl(kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
+  // Not early (launch.cuh): a grid of one-warp blocks placed while the previous kernel runs piles up.
+  OI_CUDA_CHECK(
+      launch_kernel(false, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
 }
 
 }  // namespace

@@ -105,21 +105,21 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ 
 void embedding_lookup(const bf16* table, const int32_t* ids, bf16* out, int T, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "embedding_lookup: hidden size " << H << " is not a multiple of 8");
   if (T == 0) return;
-  OI_CUDA_CHECK(launch_pdl(embedding_kernel, dim3(T), dim3(128), 0, s, nullptr, table, ids, out, H));
+  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(T), dim3(128), 0, s, nullptr, table, ids, out, H));
 }
 
 void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "gather_rows: hidden size " << H << " is not a multiple of 8");
   if (R == 0) return;
   // a gather is the same access pattern
-  OI_CUDA_CHECK(launch_pdl(embedding_kernel, dim3(R), dim3(128), 0, s, nullptr, x, idx, out, H));
+  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(R), dim3(128), 0, s, nullptr, x, idx, out, H));
 }
 
 void rmsnorm(const bf16* x, const bf16* w, bf16* out, int T, int H, float eps, cudaStream_t s) {
   OI_CHECK(H % kVec == 0 && H <= kMaxVec * kVec * kNormThreads,
            "rmsnorm: hidden size " << H << " must be a multiple of 8 and at most " << kMaxVec * kVec * kNormThreads);
   if (T == 0) return;
-  OI_CUDA_CHECK(launch_pdl(rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, s, nullptr, x, w, out, H, eps));
+  OI_CUDA_CHECK(launch_kernel(true, rmsnorm_kernel, dim3(T), dim3(kNormThreads), 0, s, nullptr, x, w, out, H, eps));
 }
 
 void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
@@ -127,7 +127,7 @@ void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s) {
   if (T == 0) return;
   const int threads = 256;
   dim3 grid((I / kVec + threads - 1) / threads, T);
-  OI_CUDA_CHECK(launch_pdl(silu_mul_kernel, grid, dim3(threads), 0, s, nullptr, gu, out, I));
+  OI_CUDA_CHECK(launch_kernel(true, silu_mul_kernel, grid, dim3(threads), 0, s, nullptr, gu, out, I));
 }
 
 namespace {
@@ -141,8 +141,8 @@ __global__ void feed_tokens_kernel(int32_t* ids, const int32_t* prev_rows, const
 
 void feed_tokens(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B, cudaStream_t s) {
   if (B <= 0) return;
-  OI_CUDA_CHECK(launch_pdl(feed_tokens_kernel, dim3((B + 255) / 256), dim3(256), 0, s, nullptr, ids, prev_rows,
-                           prev_tokens, B));
+  OI_CUDA_CHECK(launch_kernel(true, feed_tokens_kernel, dim3((B + 255) / 256), dim3(256), 0, s, nullptr, ids,
+                              prev_rows, prev_tokens, B));
 }
 
 }  // namespace oi

@@ -27,7 +27,4 @@ constexpr int kGemvMaxRows = 4;
 // staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
-// How many tiles ahead of its register loads each block prefetches into L2 (0..8; benchmarks' A/B).
-void gemv_set_prefetch_tiles(int n);
-
 }  // namespace oi

@@ -96,8 +96,9 @@ void qk_norm_rope_kv_write(bf16* qkv, const bf16* q_norm_w, const bf16* k_norm_w
   OI_CHECK(kv.head_dim == kD, "qk_norm_rope_kv_write: head_dim " << kv.head_dim << " is not supported (only 128)");
   if (T == 0) return;
   const int heads = num_heads + 2 * kv.num_kv_heads;
-  OI_CUDA_CHECK(launch_pdl(qk_norm_rope_kv_kernel, dim3(T, (heads + 7) / 8), dim3(256), 0, s, nullptr, qkv, q_norm_w,
-                           k_norm_w, positions, slot_mapping, cos_sin, kv_cache, layer, kv, num_heads, eps));
+  OI_CUDA_CHECK(launch_kernel(true, qk_norm_rope_kv_kernel, dim3(T, (heads + 7) / 8), dim3(256), 0, s, nullptr, qkv,
+                              q_norm_w, k_norm_w, positions, slot_mapping, cos_sin, kv_cache, layer, kv, num_heads,
+                              eps));
 }
 
 }  // namespace oi

@@ -168,7 +168,7 @@ void sample(const SampleArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_logprobs >= 0 && a.num_logprobs <= kMaxLogprobs,
            "sample: num_logprobs " << a.num_logprobs << " outside 0.." << kMaxLogprobs);
   if (a.num_rows == 0) return;
-  OI_CUDA_CHECK(launch_pdl(sample_kernel, dim3(a.num_rows), dim3(kThreads), 0, s, nullptr, a));
+  OI_CUDA_CHECK(launch_kernel(true, sample_kernel, dim3(a.num_rows), dim3(kThreads), 0, s, nullptr, a));
 }
 
 }  // namespace oi
