@@ -17,7 +17,7 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
 FLAGS = ["--model-path", "--host", "--port", "--served-model-name", "--gpu-memory-utilization",
          "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--cuda-graph", "--overlap-steps",
-         "--no-prefix-cache", "--kv-offload", "--kv-offload-host-gib", "--dflash-draft-model-path",
+         "--pdl", "--no-prefix-cache", "--kv-offload", "--kv-offload-host-gib", "--dflash-draft-model-path",
          "--api-key", "--log-level", "--device", "--load-format"]
 
 
@@ -59,13 +59,13 @@ def test_missing_model_dir_one_clear_message(tmp_path):
 
 def test_flags_map_to_engine_config(tiny):
     a = build_parser().parse_args(["--model-path", tiny, "--device", "cpu", "--cuda-graph", "false",
-                                   "--overlap-steps", "false", "--no-prefix-cache", "--max-model-len", "300",
+                                   "--overlap-steps", "false", "--pdl", "false", "--no-prefix-cache", "--max-model-len", "300",
                                    "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
     c = engine_config(a)
-    assert (c.cuda_graph, c.overlap_steps, c.enable_prefix_caching, c.max_model_len, c.max_num_seqs,
-            c.max_num_batched_tokens, c.device) == (False, False, False, 300, 8, 64, "cpu")
+    assert (c.cuda_graph, c.overlap_steps, c.pdl, c.enable_prefix_caching, c.max_model_len, c.max_num_seqs,
+            c.max_num_batched_tokens, c.device) == (False, False, False, False, 300, 8, 64, "cpu")
     d = engine_config(build_parser().parse_args(["--model-path", tiny]))
-    assert d.cuda_graph and d.overlap_steps and d.enable_prefix_caching and d.device == "cuda"
+    assert d.cuda_graph and d.overlap_steps and d.pdl and d.enable_prefix_caching and d.device == "cuda"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--cuda-graph", "maybe"])
 

@@ -190,7 +190,7 @@ PYBIND11_MODULE(_engine, m) {
              o.num_kv_blocks = opts["num_kv_blocks"].cast<int>();
              o.cublaslt_path = opts["cublaslt_path"].cast<std::string>();
              o.cuda_graph = opts["cuda_graph"].cast<bool>();
-             if (opts.contains("pdl")) o.pdl = opts["pdl"].cast<bool>();
+             o.pdl = opts["pdl"].cast<bool>();
              ModelDims d = dims_from(model);
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(d, o);

@@ -57,7 +57,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
   __shared__ int s_last;
   // Q and this step's keys come from the previous kernel. No early trigger: the next GEMV's weight
-  // requests would queue ahead of this latency-bound kernel's KV loads.
+  // requests would queue ahead of this latency-bound kernel's KV loads (4B batch 1, PDL off -> on:
+  // 3.14 -> 3.16 ms per step with the trigger, 3.07 -> 2.99 without).
   pdl_wait();
 
   const AttnWork w = a.work[blockIdx.x];

@@ -8,10 +8,10 @@
 //  - `pdl_trigger()` (lets the next kernel launch) comes right after the wait: one kernel runs ahead;
 //  - early launch only where the block placement stays balanced. The scheduler places an early grid's
 //    blocks wherever the running kernel leaves room, so a grid of many small blocks piles onto a few SMs:
-//    decode attention launched early took 3.1 -> 3.1 ms at batch 1 and 5.8 -> 6.8 ms at batch 64 (4B).
-//    GEMVs (at most 3 blocks per SM by registers) gain: 63.6 -> 57.0 us per 4B layer.
+//    4B at batch 64, 6.75 ms per step with decode attention early against 5.97 without (5.8-5.9 with
+//    PDL off). GEMVs (at most 3 blocks per SM by registers) gain: 63.6 -> 57.0 us per 4B layer.
 //  - never right after a library (cuBLASLt) kernel, which may trigger its dependents at its start:
-//    5.8 -> 7.8 ms per 4B step at batch 64 with every kernel early, 6.8 without those after cuBLASLt.
+//    7.85 ms at batch 64 with those kernels early, 6.75 without (bench/results/pdl_ab_h200_2026-11-30.json).
 // Without the attribute the wait and trigger are no-ops; graphs capture the attribute as a
 // programmatic edge.
 #pragma once

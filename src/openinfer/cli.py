@@ -55,6 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
       help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
     a("--cuda-graph", type=_bool, default=True, metavar="{true,false}",
       help="replay decode steps from captured CUDA graphs")
+    a("--pdl", type=_bool, default=True, metavar="{true,false}",
+      help="programmatic dependent launch: a kernel starts while the previous one ends (sm_90+)")
     a("--overlap-steps", type=_bool, default=True, metavar="{true,false}",
       help="launch each decode step before the previous one's tokens reach the host, so scheduling and "
            "streaming run while the GPU works")
@@ -84,7 +86,7 @@ def engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting_requests,
                         enable_prefix_caching=not args.no_prefix_cache, cuda_graph=args.cuda_graph,
-                        overlap_steps=args.overlap_steps)
+                        overlap_steps=args.overlap_steps, pdl=args.pdl)
 
 
 def main(argv: list[str] | None = None) -> int:
