@@ -2,6 +2,8 @@
 // while the previous kernel in the stream is still running: it does its independent work first (a GEMV
 // requests its first round of weights), then `pdl_wait()` blocks until the previous grid has finished
 // and its writes are visible. Rules:
+//  - before its wait a kernel reads only memory that no kernel writes once the weights are loaded (the
+//    engine synchronizes after loading), and writes nothing;
 //  - every kernel launched here calls `pdl_wait()` in every thread before it touches memory that an
 //    earlier kernel writes (or reads, where it writes): a grid finishes only after its own wait, so the
 //    chain is transitive even through kernels launched without the attribute;
