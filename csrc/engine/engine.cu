@@ -44,7 +44,8 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
   num_sms_ = prop.multiProcessorCount;
   device_name_ = prop.name;
-  pdl_ = opt_.pdl && prop.major >= 9;
+  pdl_capable_ = prop.major >= 9;
+  pdl_ = opt_.pdl && pdl_capable_;
   pdl_enabled() = pdl_;  // process-wide and read at every launch: set again before this engine launches
   OI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   OI_CUDA_CHECK(cudaEventCreate(&ev0_));

@@ -75,7 +75,7 @@ class Engine {
   int64_t graph_steps() const { return graph_steps_; }
   // PDL for later eager launches (captured graphs keep their edges): tests compare the two launch modes.
   bool pdl() const { return pdl_; }
-  void set_pdl(bool on) { pdl_ = on; }
+  void set_pdl(bool on) { pdl_ = on && pdl_capable_; }
   std::string device_name() const { return device_name_; }
 
  private:
@@ -129,7 +129,8 @@ class Engine {
   char* dev_meta_ = nullptr;
   size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
   bool finalized_ = false;
-  bool pdl_ = false;  // programmatic dependent launch on this device (options and sm_90+)
+  bool pdl_capable_ = false;  // sm_90+
+  bool pdl_ = false;          // programmatic dependent launch (options, and capable)
   std::vector<Graph> graphs_;  // ascending batch
   GraphArena ga_{};
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them

@@ -56,9 +56,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
   __shared__ int s_last;
-  // Q and this step's keys come from the previous kernel. No early trigger: the next GEMV's weight
-  // requests would queue ahead of this latency-bound kernel's KV loads (4B batch 1, PDL off -> on:
-  // 3.14 -> 3.16 ms per step with the trigger, 3.07 -> 2.99 without).
+  // A no-op while this kernel is launched normally (it keeps the kernel correct if made early). No
+  // early trigger: the next GEMV's weight requests would queue ahead of this latency-bound kernel's
+  // KV loads (measured: docs/benchmarks.md, "Programmatic dependent launch").
   pdl_wait();
 
   const AttnWork w = a.work[blockIdx.x];
@@ -403,7 +403,7 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStr
   clu.val.clusterDim.x = 1;
   clu.val.clusterDim.y = 1;
   clu.val.clusterDim.z = cluster;
-  // Not early (launch.cuh): a grid of one-warp blocks placed while the previous kernel runs piles up.
+  // Not early (launch.cuh): a grid of small blocks placed while the previous kernel runs piles up.
   OI_CUDA_CHECK(
       launch_kernel(false, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
 }

@@ -141,7 +141,8 @@ __global__ void feed_tokens_kernel(int32_t* ids, const int32_t* prev_rows, const
 
 void feed_tokens(int32_t* ids, const int32_t* prev_rows, const int32_t* prev_tokens, int B, cudaStream_t s) {
   if (B <= 0) return;
-  OI_CUDA_CHECK(launch_kernel(true, feed_tokens_kernel, dim3((B + 255) / 256), dim3(256), 0, s, nullptr, ids,
+  // Follows the step's metadata copy: the attribute has no effect there.
+  OI_CUDA_CHECK(launch_kernel(false, feed_tokens_kernel, dim3((B + 255) / 256), dim3(256), 0, s, nullptr, ids,
                               prev_rows, prev_tokens, B));
 }
 

@@ -22,7 +22,7 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 // so a small layer costs its bytes plus about one memory latency. (A shared-memory ring with three
 // rounds in flight per warp measured slower: 4.45 vs 3.50 ms wall per 4B step.) Under PDL the first
 // round goes out while the previous kernel is still running. (A bulk L2 prefetch of the next tile on
-// top measured slower: 65.7 against 57.7 us per 4B layer.)
+// top measured slower: docs/benchmarks.md.)
 template <int MT, int IN, int OUT>
 __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
   extern __shared__ __align__(16) unsigned char smem_raw[];

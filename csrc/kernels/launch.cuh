@@ -4,18 +4,18 @@
 // and its writes are visible. Rules:
 //  - before its wait a kernel reads only memory that no kernel writes once the weights are loaded (the
 //    engine synchronizes after loading), and writes nothing;
-//  - every kernel launched here calls `pdl_wait()` in every thread before it touches memory that an
-//    earlier kernel writes (or reads, where it writes): a grid finishes only after its own wait, so the
-//    chain is transitive even through kernels launched without the attribute;
+//  - every grid launched early waits in every thread before it touches memory that an earlier kernel
+//    writes (or reads, where it writes) and before it exits, so it finishes only after its predecessor:
+//    the chain is transitive. Kernels launched normally are fully serialized anyway; the kernels here
+//    call `pdl_wait()` either way, which costs nothing without the attribute;
 //  - `pdl_trigger()` (lets the next kernel launch) comes right after the wait: one kernel runs ahead;
 //  - early launch only where the block placement stays balanced. The scheduler places an early grid's
-//    blocks wherever the running kernel leaves room, so a grid of many small blocks piles onto a few SMs:
-//    4B at batch 64, 6.75 ms per step with decode attention early against 5.97 without (5.8-5.9 with
-//    PDL off). GEMVs (at most 3 blocks per SM by registers) gain: 63.6 -> 57.0 us per 4B layer.
-//  - never right after a library (cuBLASLt) kernel, which may trigger its dependents at its start:
-//    7.85 ms at batch 64 with those kernels early, 6.75 without (bench/results/pdl_ab_h200_2026-11-30.json).
-// Without the attribute the wait and trigger are no-ops; graphs capture the attribute as a
-// programmatic edge.
+//    blocks wherever the running kernel leaves room, so a grid of many small blocks piles onto a few
+//    SMs (decode attention early cost ~0.8 ms per 4B step at batch 64); GEMVs, at most 3 blocks per SM
+//    by registers, gain;
+//  - never right after a library (cuBLASLt) kernel, which may trigger its dependents at its start
+//    (another ~1 ms at batch 64). Measurements: docs/benchmarks.md, "Programmatic dependent launch".
+// Graphs capture the attribute as a programmatic edge.
 #pragma once
 #include <utility>
 
@@ -23,16 +23,18 @@
 
 namespace oi {
 
-// Process-wide (the engine sets it from its options before it launches; benchmarks flip it for A/B).
-// The header is host-includable (the bindings set the switch); the device half is for nvcc only.
+// Per host thread (an engine launches from the thread that calls it and sets the switch from its
+// options first; benchmarks flip it for A/B). The header is host-includable (the bindings set the
+// switch); the device half is for nvcc only.
 inline bool& pdl_enabled() {
-  static bool on = true;
+  static thread_local bool on = true;
   return on;
 }
 
-// Set by the GEMM wrapper after each library launch, consumed by the next launch below (one stream).
+// Set by the GEMM wrapper after each library launch, consumed by the thread's next launch below (an
+// engine launches on one stream).
 inline bool& pdl_follows_library() {
-  static bool v = false;
+  static thread_local bool v = false;
   return v;
 }
 
