@@ -266,7 +266,7 @@ PYBIND11_MODULE(_engine, m) {
   // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
-          "programmatic dependent launch for later launches and captures (process-wide; engines set it too)");
+          "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
     const int H = (int)w.size(), T = (int)(x.size() / H);
     Dev dx(x), dw(w), dout(x.size() * 2);

@@ -46,7 +46,7 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   device_name_ = prop.name;
   pdl_capable_ = prop.major >= 9;
   pdl_ = opt_.pdl && pdl_capable_;
-  pdl_enabled() = pdl_;  // process-wide and read at every launch: set again before this engine launches
+  pdl_enabled() = pdl_;  // per host thread, read at every launch: set again before this engine launches
   OI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   OI_CUDA_CHECK(cudaEventCreate(&ev0_));
   OI_CUDA_CHECK(cudaEventCreate(&ev1_));
