@@ -448,6 +448,11 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStr
 
 }  // namespace
 
+int& attention_cluster_cap() {
+  static int cap = 0;
+  return cap;
+}
+
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
@@ -483,7 +488,8 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count
   // (batch 1, 1k context: 19.0 -> 9.2 us per layer against the workspace merge).
   int cluster = 1;
-  const int cap = a.max_rows <= 16 && a.num_splits > 1 ? max_cluster() : 1;
+  int cap = a.max_rows <= 16 && a.num_splits > 1 ? max_cluster() : 1;
+  if (attention_cluster_cap() > 0) cap = std::min(cap, attention_cluster_cap());
   while (cluster < cap && a.num_splits % (2 * cluster) == 0) cluster *= 2;
   if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, s);
   else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, s);
