@@ -173,6 +173,23 @@ def test_paged_attention(model, case):
         assert err < TOL["attention"], (splits, used, err)
 
 
+@pytest.mark.parametrize("cap", [8, 2, 1])
+def test_paged_attention_smaller_cluster_cap(cap):
+    """A device that cannot hold a cluster of 16 (MPS SM limits, small MIG slices) gets smaller clusters
+    and the workspace merge between them (cap 1: no clusters); forced here on any GPU."""
+    _, _, nH, nKV = SHAPES["4b"]
+    rng = np.random.default_rng(cap)
+    args, want = _attention_case(rng, nH, nKV, ATTN_CASES["decode_b7_mixed"])
+    ops().attention_cluster_cap(cap)
+    try:
+        for splits in (2, 12, 16, 48):
+            got, used = ops().paged_attention(*args, splits)
+            err = rel_err(f32(got).reshape(want.shape), want)
+            assert err < TOL["attention"], (cap, splits, err)
+    finally:
+        ops().attention_cluster_cap(0)
+
+
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])
 @pytest.mark.parametrize("ctx", [1, 17, 1024, 8191])
 def test_split_attention_equals_single_pass(batch, ctx):

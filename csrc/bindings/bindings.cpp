@@ -265,6 +265,10 @@ PYBIND11_MODULE(_engine, m) {
 
   // ---- single-kernel wrappers for tests (host arrays in, host arrays out; bf16 as uint16) ----
   py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
+  ops.def("attention_cluster_cap", [](int n) {
+    OI_CHECK(n >= 0 && n <= kAttnMaxCluster, "attention_cluster_cap: " << n << " (0.." << kAttnMaxCluster << ")");
+    attention_cluster_cap() = n;
+  }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

@@ -388,27 +388,70 @@ constexpr size_t smem_bytes() {
   return (size_t)(16 * NW + 2 * kStages * KT) * kLd * sizeof(bf16);
 }
 
-template <int NW, int KT, bool CLU>
-void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStream_t s) {
-  static_assert(!CLU || (16 * NW + 2 * kStages * KT) * kLd * 2 >= 16 * NW * (kD + 1) * 4, "cluster merge buffer");
-  auto kernel = paged_attention_kernel<NW, KT, CLU>;
-  static bool configured = false;  // one attribute call per instantiation (graph capture safe afterwards)
-  if (!configured) {
-    OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT>()));
-    if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    configured = true;
-  }
+cudaLaunchAttribute cluster_attr(int cluster) {
   cudaLaunchAttribute clu{};
   clu.id = cudaLaunchAttributeClusterDimension;
   clu.val.clusterDim.x = 1;
   clu.val.clusterDim.y = 1;
   clu.val.clusterDim.z = cluster;
+  return clu;
+}
+
+// One attribute call per instantiation (graph capture safe afterwards: the first launch is eager).
+template <int NW, int KT, bool CLU>
+void configure() {
+  static bool configured = false;
+  if (configured) return;
+  auto kernel = paged_attention_kernel<NW, KT, CLU>;
+  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT>()));
+  if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  configured = true;
+}
+
+// The largest decode cluster this device can hold: 16 is a non-portable size that MPS SM limits or a
+// small MIG slice may not fit. Queried once per device; 1 means no clusters (workspace merge only).
+int max_cluster() {
+  constexpr int kMaxDevices = 64;
+  static int cap[kMaxDevices] = {};  // 0: not queried yet
+  int dev = 0;
+  OI_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kMaxDevices && cap[dev] > 0) return cap[dev];
+  configure<1, 16, true>();
+  int c = kAttnMaxCluster;
+  for (; c > 1; c /= 2) {
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(1, 1, c);
+    cfg.blockDim = dim3(32);
+    cfg.dynamicSmemBytes = smem_bytes<1, 16>();
+    cudaLaunchAttribute clu = cluster_attr(c);
+    cfg.attrs = &clu;
+    cfg.numAttrs = 1;
+    int n = 0;
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, paged_attention_kernel<1, 16, true>, &cfg);
+    if (e == cudaSuccess && n >= 1) break;
+    cudaGetLastError();  // an unsupported size: try the next smaller one
+  }
+  if (dev < kMaxDevices) cap[dev] = c;
+  return c;
+}
+
+template <int NW, int KT, bool CLU>
+void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStream_t s) {
+  static_assert(!CLU || (16 * NW + 2 * kStages * KT) * kLd * 2 >= 16 * NW * (kD + 1) * 4, "cluster merge buffer");
+  auto kernel = paged_attention_kernel<NW, KT, CLU>;
+  configure<NW, KT, CLU>();
+  const cudaLaunchAttribute clu = cluster_attr(cluster);
   // Not early (launch.cuh): a grid of small blocks placed while the previous kernel runs piles up.
   OI_CUDA_CHECK(
       launch_kernel(false, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
 }
 
 }  // namespace
+
+int& attention_cluster_cap() {
+  static int cap = 0;
+  return cap;
+}
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
@@ -445,7 +488,9 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count
   // (batch 1, 1k context: 19.0 -> 9.2 us per layer against the workspace merge).
   int cluster = 1;
-  while (cluster < kAttnMaxCluster && a.num_splits % (2 * cluster) == 0) cluster *= 2;
+  int cap = a.max_rows <= 16 && a.num_splits > 1 ? max_cluster() : 1;
+  if (attention_cluster_cap() > 0) cap = std::min(cap, attention_cluster_cap());
+  while (cluster < cap && a.num_splits % (2 * cluster) == 0) cluster *= 2;
   if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, s);
   else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, s);
   else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, s);

@@ -49,4 +49,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
 
 void paged_attention(const AttnArgs& a, cudaStream_t s);
 
+// Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
+int& attention_cluster_cap();
+
 }  // namespace oi
