@@ -128,14 +128,25 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--knobs", default="", help="experiment switches set before the engine is made, as "
+                    "'name=value,...' calls of _engine.ops; settings separated by ';' run in turn in this process "
+                    "(e.g. 'attention_early_max_work=0;attention_early_max_work=2')")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
     rows = []
     for preset in a.preset.split(","):
-        for pdl in a.pdl.split(","):
-            rows += bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl)
+        from openinfer import _engine
+        for setting in a.knobs.split(";"):
+            for kv in (kv for kv in setting.split(",") if kv):
+                name, value = kv.split("=")
+                getattr(_engine.ops, name)(int(value))
+            for pdl in a.pdl.split(","):
+                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl)
+                for r in got:
+                    r["knobs"] = setting
+                rows += got
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -150,9 +161,9 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'preset':10} {'pdl':3} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
+    print(f"{'preset':10} {'pdl':3} {'knobs':24} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
     for r in rows:
-        print(f"{r['preset']:10} {r['pdl']:3} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
+        print(f"{r['preset']:10} {r['pdl']:3} {r.get('knobs', ''):24} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
               f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f}")
 
 

@@ -3,7 +3,7 @@ rmsnorm/silu + cuBLASLt, as % of the bandwidth floor (weight bytes / 4.21 TB/s).
 decode step's four projections x all layers in one CUDA graph (the weight stream without attention).
 
   python bench/bench_kernels.py --out bench/results/kernels.json
-  python bench/bench_kernels.py --chain 4b,8b --rows 1,4 --pdl 1,0
+  python bench/bench_kernels.py --chain 4b,8b --rows 1,2 --pdl 1,0
   python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64
 """
 from __future__ import annotations

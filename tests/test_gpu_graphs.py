@@ -84,18 +84,27 @@ def test_graph_replay_equals_eager(engine, B):
     np.testing.assert_array_equal(g.logprobs, e.logprobs)
 
 
-def test_cuda_graph_off_generates_the_same(engine, tmp_path):
+def test_cuda_graph_off_generates_the_same(tmp_path):
+    """`cuda_graph=False` generates the same tokens. Both engines keep cuBLASLt's heuristic pick: with
+    start-up autotuning, two engines may time different algorithms for a shape (batch 3-4 decode runs
+    through cuBLASLt) and differ in the last bits. Within one engine, graph == eager is exact
+    (test_graph_replay_equals_eager, autotuned)."""
     import openinfer
 
     params = openinfer.SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-    prompts = ["The capital of France is", "def f(x):", "1, 2, 3,"]
-    with_graph = [o.token_ids for o in engine.generate(prompts, params)]
     d = _config_dir(tmp_path, "qwen3-4b")
-    eager = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=8192, max_num_seqs=256,
-                             gpu_memory_utilization=0.9, cuda_graph=False)
-    assert eager.llm_engine.backend.eng.graph_steps == 0
-    assert [o.token_ids for o in eager.generate(prompts, params)] == with_graph
-    assert eager.llm_engine.backend.eng.graph_steps == 0
+    out, graph_steps = [], []
+    for graph in (True, False):
+        eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096, max_num_seqs=64,
+                               num_kv_blocks=512, cuda_graph=graph, gemm_autotune=False)
+        try:
+            for prompts in (["The capital of France is", "def f(x):", "1, 2, 3,"], ["Once upon a time"]):
+                out.append([o.token_ids for o in eng.generate(prompts, params)])
+            graph_steps.append(eng.llm_engine.backend.eng.graph_steps)
+        finally:
+            eng.close()
+    assert graph_steps[0] > 0 and graph_steps[1] == 0
+    assert out[:2] == out[2:]
 
 
 @pytest.mark.parametrize("B", [1, 3, 8, 64, 256])

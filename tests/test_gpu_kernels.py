@@ -301,7 +301,7 @@ def _gemv_ref(x, nw, w, pro, epi, y0):
 
 
 @pytest.mark.parametrize("model", list(GEMV_CASES))
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", [1, 2])
 def test_fused_gemv(model, M):
     rng = np.random.default_rng(M * 31 + len(model))
     for N, K, pro, epi in GEMV_CASES[model]:
@@ -311,8 +311,7 @@ def test_fused_gemv(model, M):
         y0 = rand_bf16(rng, (M, N)) if epi == 1 else None
         got = ops().gemv(x, nw, w, M, N, K, pro, epi, y0, 1e-6)
         if got is None:  # staged input too large for shared memory: the engine falls back to cuBLASLt
-            mt = 1 if M == 1 else 2 if M == 2 else 4
-            assert (mt + (pro == 1)) * K * 2 > 200 * 1024, (N, K, M)  # staged input (and norm weight)
+            assert (M + (pro == 1)) * K * 2 > 200 * 1024, (N, K, M)  # staged input (and norm weight)
             continue
         want = _gemv_ref(x, nw, w, pro, epi, y0)
         tol = 1e-4 if epi == 2 else TOL["bf16_gemm"]
@@ -323,5 +322,6 @@ def test_fused_gemv(model, M):
 
 def test_fused_gemv_refuses_large_rows():
     rng = np.random.default_rng(0)
-    x = rand_bf16(rng, (5, 256))
-    assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), 5, 64, 256, 0, 0, None, 1e-6) is None
+    for M in (3, 5):  # cuBLASLt from 3 rows on
+        x = rand_bf16(rng, (M, 256))
+        assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), M, 64, 256, 0, 0, None, 1e-6) is None

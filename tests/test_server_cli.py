@@ -59,13 +59,14 @@ def test_missing_model_dir_one_clear_message(tmp_path):
 
 def test_flags_map_to_engine_config(tiny):
     a = build_parser().parse_args(["--model-path", tiny, "--device", "cpu", "--cuda-graph", "false",
-                                   "--overlap-steps", "false", "--pdl", "false", "--no-prefix-cache", "--max-model-len", "300",
+                                   "--overlap-steps", "false", "--pdl", "false", "--gemm-autotune", "false", "--no-prefix-cache", "--max-model-len", "300",
                                    "--max-num-seqs", "8", "--max-num-batched-tokens", "64"])
     c = engine_config(a)
-    assert (c.cuda_graph, c.overlap_steps, c.pdl, c.enable_prefix_caching, c.max_model_len, c.max_num_seqs,
-            c.max_num_batched_tokens, c.device) == (False, False, False, False, 300, 8, 64, "cpu")
+    assert (c.cuda_graph, c.overlap_steps, c.pdl, c.gemm_autotune, c.enable_prefix_caching, c.max_model_len,
+            c.max_num_seqs, c.max_num_batched_tokens, c.device) == (False, False, False, False, False, 300, 8, 64, "cpu")
     d = engine_config(build_parser().parse_args(["--model-path", tiny]))
-    assert d.cuda_graph and d.overlap_steps and d.pdl and d.enable_prefix_caching and d.device == "cuda"
+    assert d.cuda_graph and d.overlap_steps and d.pdl and d.gemm_autotune and d.enable_prefix_caching
+    assert d.device == "cuda"
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--cuda-graph", "maybe"])
 

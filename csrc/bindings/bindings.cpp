@@ -191,6 +191,7 @@ PYBIND11_MODULE(_engine, m) {
              o.cublaslt_path = opts["cublaslt_path"].cast<std::string>();
              o.cuda_graph = opts["cuda_graph"].cast<bool>();
              o.pdl = opts["pdl"].cast<bool>();
+             o.gemm_autotune = opts["gemm_autotune"].cast<bool>();
              ModelDims d = dims_from(model);
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(d, o);
@@ -269,6 +270,8 @@ PYBIND11_MODULE(_engine, m) {
     OI_CHECK(n >= 0 && n <= kAttnMaxCluster, "attention_cluster_cap: " << n << " (0.." << kAttnMaxCluster << ")");
     attention_cluster_cap() = n;
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
+  ops.def("attention_early_max_work", [](int n) { attention_early_max_work() = n; },
+          "experiment: decode attention launched early (PDL) up to this many work items (0: never)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

@@ -349,7 +349,7 @@ void Engine::capture_graphs() {
   }
   std::memcpy(graph_host_[1], h0, ga_.bytes);  // the constant fields (sample_idx, work) live in both images
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, ga_.bytes, cudaMemcpyHostToDevice));
-  gemm_->set_autotune(true);  // time GEMM candidates for the decode shapes (dummy data, results unused)
+  gemm_->set_autotune(opt_.gemm_autotune);  // time GEMM candidates for the decode shapes (dummy data)
   for (int b : sizes) {
     const StepMeta m = graph_meta(b);
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);  // warm-up: plans made here

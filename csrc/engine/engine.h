@@ -20,6 +20,7 @@ struct EngineOptions {
   std::string cublaslt_path;   // hint for dlopen; empty: the loader's search path
   bool cuda_graph = true;      // capture decode steps for the batch sizes of graph_batch_sizes()
   bool pdl = true;             // programmatic dependent launch between kernels (kernels/launch.cuh)
+  bool gemm_autotune = true;   // time cuBLASLt candidates for the decode shapes at start-up (else: heuristic's pick)
 };
 
 // Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to max_num_seqs (and it).

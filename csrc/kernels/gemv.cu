@@ -219,19 +219,15 @@ void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, in
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
-  const int mt = a.M <= 1 ? 1 : a.M <= 2 ? 2 : 4;
-  const size_t smem = (size_t)(mt + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
+  const size_t smem = (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
   if (smem > kMaxSmem) return false;
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
   const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;
   int sw = 1;
   while (sw < max_sw && (chunks + sw - 1) / sw > kL) sw *= 2;
   if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
-  switch (mt) {
-    case 1: dispatch<1>(a, in, out, sw, smem, num_sms, s); break;
-    case 2: dispatch<2>(a, in, out, sw, smem, num_sms, s); break;
-    default: dispatch<4>(a, in, out, sw, smem, num_sms, s); break;
-  }
+  if (a.M == 1) dispatch<1>(a, in, out, sw, smem, num_sms, s);
+  else dispatch<2>(a, in, out, sw, smem, num_sms, s);
   return true;
 }
 

@@ -1,4 +1,4 @@
-// Small-batch GEMM (M <= 4 rows: decode) reading each weight once at full memory bandwidth, with the
+// Small-batch GEMM (M <= 2 rows: decode) reading each weight once at full memory bandwidth, with the
 // neighbouring element-wise work fused so that it costs no extra pass: RMSNorm of the input (prologue);
 // residual add, fp32 output, or SiLU(gate)·up of the two output halves (epilogue).
 //   y[m, n] (+)= sum_k x_eff[m, k] * W[n, k]
@@ -20,10 +20,11 @@ struct GemvArgs {
   int M, N, K;
 };
 
-// Above 4 rows the CUDA-core FMAs, not memory, bound this kernel; cuBLASLt's tensor cores win there.
-constexpr int kGemvMaxRows = 4;
+// From 3 rows on cuBLASLt's tensor cores win: this kernel's CUDA-core FMAs bound it (the 4-row version
+// reached half the memory floor; docs/benchmarks.md has the A/B).
+constexpr int kGemvMaxRows = 2;
 
-// False (and nothing launched) when the shape does not suit the kernel (M > 4, K not a multiple of 256,
+// False (and nothing launched) when the shape does not suit the kernel (M > 2, K not a multiple of 256,
 // staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 

@@ -57,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
       help="replay decode steps from captured CUDA graphs")
     a("--pdl", type=_bool, default=True, metavar="{true,false}",
       help="programmatic dependent launch: a kernel starts while the previous one ends (sm_90+)")
+    a("--gemm-autotune", type=_bool, default=True, metavar="{true,false}",
+      help="time cuBLASLt algorithms for the decode shapes at start-up (false: the same algorithms, and so the same "
+           "output bits, on every start)")
     a("--overlap-steps", type=_bool, default=True, metavar="{true,false}",
       help="launch each decode step before the previous one's tokens reach the host, so scheduling and "
            "streaming run while the GPU works")
@@ -86,7 +89,8 @@ def engine_config(args: argparse.Namespace):
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         max_waiting=args.max_waiting_requests,
                         enable_prefix_caching=not args.no_prefix_cache, cuda_graph=args.cuda_graph,
-                        overlap_steps=args.overlap_steps, pdl=args.pdl)
+                        overlap_steps=args.overlap_steps, pdl=args.pdl,
+                        gemm_autotune=args.gemm_autotune)
 
 
 def main(argv: list[str] | None = None) -> int:

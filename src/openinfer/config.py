@@ -135,6 +135,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     cuda_graph: bool = True
     pdl: bool = True  # programmatic dependent launch: a kernel streams its weights while the previous one ends
+    # Time cuBLASLt's candidate algorithms for the decode shapes at start-up and keep the fastest. Timing
+    # can pick differently on each start, and so change the last bits of the outputs; False keeps the
+    # heuristic's first pick, so every start computes the same bits.
+    gemm_autotune: bool = True
     overlap_steps: bool = True  # launch decode step N+1 before step N's tokens reach the host
     num_kv_blocks: int | None = None  # override the pool size (cpu default: 512 MiB of fp32 KV)
     max_waiting: int = 1024

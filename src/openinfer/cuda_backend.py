@@ -77,7 +77,8 @@ class CudaBackend:
         opts = dict(max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
                     max_model_len=c.max_model_len, kv_block_size=c.kv_block_size,
                     gpu_memory_utilization=c.gpu_memory_utilization, num_kv_blocks=c.num_kv_blocks or 0,
-                    cublaslt_path=_cublaslt_hint(), cuda_graph=c.cuda_graph, pdl=c.pdl)
+                    cublaslt_path=_cublaslt_hint(), cuda_graph=c.cuda_graph, pdl=c.pdl,
+                    gemm_autotune=c.gemm_autotune)
         self.eng = _engine.Engine(model, opts)
         if c.load_format == "random":
             self.eng.init_random(c.seed)
