@@ -270,8 +270,6 @@ PYBIND11_MODULE(_engine, m) {
     OI_CHECK(n >= 0 && n <= kAttnMaxCluster, "attention_cluster_cap: " << n << " (0.." << kAttnMaxCluster << ")");
     attention_cluster_cap() = n;
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
-  ops.def("attention_early_max_work", [](int n) { attention_early_max_work() = n; },
-          "experiment: decode attention launched early (PDL) up to this many work items (0: never)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

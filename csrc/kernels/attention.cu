@@ -442,17 +442,11 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStr
   configure<NW, KT, CLU>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
   // Not early (launch.cuh): a grid of small blocks placed while the previous kernel runs piles up.
-  const bool early = a.num_work <= attention_early_max_work();
   OI_CUDA_CHECK(
-      launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
+      launch_kernel(false, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
 }
 
 }  // namespace
-
-int& attention_early_max_work() {
-  static int n = 0;
-  return n;
-}
 
 int& attention_cluster_cap() {
   static int cap = 0;

@@ -52,7 +52,4 @@ void paged_attention(const AttnArgs& a, cudaStream_t s);
 // Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
 int& attention_cluster_cap();
 
-// Experiment: launch decode attention early (PDL) when a step has at most this many work items (0: never).
-int& attention_early_max_work();
-
 }  // namespace oi
