@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Serving sweep: start openinfer-serve, wait for /health, run the seed's QPS grid and concurrency
-# points at 1024 in / 128 out (seed 42), keep raising QPS until saturation, add a concurrency-64
-# point, write one JSON per point plus a combined sweep JSON, stop the server.
+# Serving sweep: run the seed's QPS grid and concurrency points at 1024 in / 128 out (seed 42), keep
+# raising QPS until saturation, add a concurrency-64 point, write one JSON per point plus a combined
+# sweep JSON. Each point gets a fresh openinfer-serve (started, /health awaited, stopped after): every
+# point sends the same seeded prompts, and a server kept across points would serve them from its
+# prefix cache instead of prefilling them.
 #
 #   bench/run_serving_bench.sh MODEL_DIR [OUT_DIR]
 #
@@ -61,9 +63,8 @@ stop_server() {
     wait "$SERVER_PID" 2>/dev/null
   fi
   SERVER_PID=""
-  rm -f "$POINTS_FILE"
 }
-trap stop_server EXIT
+trap 'stop_server; rm -f "$POINTS_FILE"' EXIT
 trap 'exit 130' INT TERM HUP PIPE
 
 if curl -s -o /dev/null --max-time 2 "$BASE_URL/health"; then
@@ -71,42 +72,45 @@ if curl -s -o /dev/null --max-time 2 "$BASE_URL/health"; then
   exit 1
 fi
 
-# Own process group (setsid) so the whole server tree can be stopped by its id.
-# shellcheck disable=SC2086
-setsid $SERVER_CMD --model-path "$MODEL_DIR" --port "$PORT" $SERVER_ARGS >"$SERVER_LOG" 2>&1 &
-SERVER_PID=$!
-echo "server pid $SERVER_PID, log $SERVER_LOG" >&2
-
-t_start=$(date +%s.%N)
-ready=0
-deadline=$((SECONDS + HEALTH_TIMEOUT))
-while ((SECONDS < deadline)); do
-  if ! kill -0 "$SERVER_PID" 2>/dev/null; then
-    echo "server exited before becoming healthy; last log lines:" >&2
+start_server() {
+  # Own process group (setsid) so the whole server tree can be stopped by its id.
+  # shellcheck disable=SC2086
+  setsid $SERVER_CMD --model-path "$MODEL_DIR" --port "$PORT" $SERVER_ARGS >>"$SERVER_LOG" 2>&1 &
+  SERVER_PID=$!
+  echo "server pid $SERVER_PID, log $SERVER_LOG" >&2
+  local t_start ready=0 deadline=$((SECONDS + HEALTH_TIMEOUT)) code
+  t_start=$(date +%s.%N)
+  while ((SECONDS < deadline)); do
+    if ! kill -0 "$SERVER_PID" 2>/dev/null; then
+      echo "server exited before becoming healthy; last log lines:" >&2
+      tail -n 30 "$SERVER_LOG" >&2
+      exit 1
+    fi
+    code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$BASE_URL/health" || true)
+    if [[ "$code" == "200" ]]; then ready=1; break; fi
+    sleep 0.2
+  done
+  if ((ready == 0)); then
+    echo "server not healthy after ${HEALTH_TIMEOUT}s" >&2
     tail -n 30 "$SERVER_LOG" >&2
     exit 1
   fi
-  code=$(curl -s -o /dev/null -w '%{http_code}' --max-time 2 "$BASE_URL/health" || true)
-  if [[ "$code" == "200" ]]; then ready=1; break; fi
-  sleep 0.2
-done
-if ((ready == 0)); then
-  echo "server not healthy after ${HEALTH_TIMEOUT}s" >&2
-  tail -n 30 "$SERVER_LOG" >&2
-  exit 1
-fi
-echo "server ready after $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t_start}") s" >&2
+  echo "server ready after $(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t_start}") s" >&2
+}
+: >"$SERVER_LOG"
 
 # run_point KIND VALUE FILE ARGS... ; appends "KIND VALUE FILE" to the points list.
 run_point() {
   local kind=$1 value=$2 file=$3
   shift 3
   echo "=== $kind $value -> $file" >&2
+  start_server
   timeout --kill-after=30 "$POINT_TIMEOUT" "$PYTHON" "$HERE/serve_bench.py" \
     --base-url "$BASE_URL" --model-path "$MODEL_DIR" --seed "$SEED" \
     --random-input-len "$INPUT_LEN" --random-output-len "$OUTPUT_LEN" \
     --label "$TAG-$kind$value" --no-progress --result-json "$file" "$@"
   local rc=$?
+  stop_server
   if ((rc != 0)); then echo "point $kind $value exited with $rc" >&2; fi
   [[ -f "$file" ]] && echo "$kind $value $file" >>"$POINTS_FILE"
   return 0
@@ -170,6 +174,7 @@ import json, sys
 sys.path.insert(0, __import__("os").path.dirname(sys.argv[0]) or ".")
 points_file, out, tag, model_dir, sat, secs, server_args, cmd = sys.argv[1:9]
 keys = ["completed", "failed", "duration", "realized_request_rate", "keepup_request_rate", "server_gpu_busy_fraction",
+        "server_prefix_cache_hit_tokens",
         "request_throughput",
         "output_throughput",
         "total_token_throughput", "total_input_tokens", "total_output_tokens"]

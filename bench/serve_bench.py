@@ -495,6 +495,10 @@ async def benchmark(*, base_url: str, requests: list[SampleRequest], model: str 
         m["server_gpu_busy_fraction"] = round(gpu / busy, 4)
         m["server_engine_steps"] = (metrics1.get("openinfer_engine_steps", 0.0)
                                     - metrics0.get("openinfer_engine_steps", 0.0))
+        # Prompt tokens served from the prefix cache: a sweep's points send the same seeded prompts,
+        # so a server kept warm across points skips most prefills (run_serving_bench.sh restarts it).
+        m["server_prefix_cache_hit_tokens"] = (metrics1.get("openinfer_prefix_cache_hit_tokens", 0.0)
+                                               - metrics0.get("openinfer_prefix_cache_hit_tokens", 0.0))
     m.update(model_id=model, num_requests_sent=len(outputs),
              prompts_reused=max(0, len(outputs) - len(requests)), request_rate=request_rate,
              burstiness=burstiness, max_concurrency=max_concurrency)
