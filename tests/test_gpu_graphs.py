@@ -38,12 +38,15 @@ def engine(tmp_path_factory):
     del eng
 
 
-def _decode_batch(backend, B, rng, next_block):
-    """Prefill B sequences of mixed lengths, return the arrays of one decode step over all of them."""
-    lens = rng.integers(1, 700, B)
-    lens[0] = 1
-    if B > 1:
-        lens[1] = 16  # a block edge
+def _decode_batch(backend, B, rng, next_block, lens=None):
+    """Prefill B sequences of mixed lengths (or `lens`), return the arrays of one decode step over all
+    of them, and the next free block."""
+    if lens is None:
+        lens = rng.integers(1, 700, B)
+        lens[0] = 1
+        if B > 1:
+            lens[1] = 16  # a block edge
+    lens = np.asarray(lens)
     tables, ctx = [], []
     for n in lens:
         nb = -(-(int(n) + 1) // 16)
@@ -214,3 +217,51 @@ def test_overlapped_decode_generates_the_same(engine):
             assert reason == "length" and len(t) == 12 and not set(s) & set(t)
     assert le.stats()["overlapped_steps"] >= before + 29  # run(params): 30 decode steps, the first from schedule()
     assert le.stats()["kv_blocks_used"] == 0 and le.backend.eng.pending == 0
+
+
+def test_fed_steps_equal_host_fed_steps(engine):
+    """Steps launched behind the running one take its sampled tokens on the device: a graph decode step
+    feeds an eager mixed step (three decode rows and a new 7-token prompt), which feeds the next graph
+    decode step (four rows). Each equals the same step given the tokens on the host, bit for bit."""
+    backend = engine.llm_engine.backend
+    rng = np.random.default_rng(5)
+    lens = [5, 20, 40]  # their blocks hold three more tokens each
+    args, nxt = _decode_batch(backend, 3, rng, 1, lens)
+    ids0, pos0, _, _, bt0, _, _, temp, top_p, top_k, seeds = args
+    new_blocks = [nxt]
+    prompt = rng.integers(0, 151643, 7).astype(np.int32)
+    width = max(bt0.shape[1], 1)
+    bt = np.zeros((4, width), np.int32)
+    bt[:3] = bt0
+    bt[3, 0] = new_blocks[0]
+
+    def slot(b, p):
+        return int(bt[b, p // 16] * 16 + p % 16)
+
+    def sampling(n):
+        return (np.resize(temp, n).astype(np.float32), np.resize(top_p, n).astype(np.float32),
+                np.resize(top_k, n).astype(np.int32), (np.arange(n) + 11).astype(np.uint64))
+
+    p1 = pos0 + 1
+    mixed = (np.concatenate([np.zeros(3, np.int32), prompt]), np.concatenate([p1, np.arange(7)]).astype(np.int32),
+             np.array([0, 1, 2, 3, 10], np.int32), np.array([*(p1 + 1), 7], np.int32), bt,
+             np.array([*(slot(b, int(p1[b])) for b in range(3)), *(slot(3, p) for p in range(7))], np.int32),
+             np.array([0, 1, 2, 9], np.int32), *sampling(4))
+    p2 = np.array([*(p1 + 1), 7], np.int32)
+    decode = (np.zeros(4, np.int32), p2, np.arange(5, dtype=np.int32), p2 + 1, bt,
+              np.array([slot(b, int(p2[b])) for b in range(4)], np.int32), np.arange(4, dtype=np.int32), *sampling(4))
+    before = backend.eng.graph_steps
+    backend.launch(*args)
+    backend.launch(*mixed, prev_rows=np.array([0, 1, 2, -1], np.int32))
+    first, second = backend.collect(), backend.collect()
+    backend.launch(*decode, prev_rows=np.arange(4, dtype=np.int32))
+    third = backend.collect()
+    assert backend.eng.graph_steps == before + 2, "the decode steps replayed graphs"
+    # the same steps with the tokens given on the host: they rewrite the same K/V, so each sees what it saw
+    ref1 = backend.step(*args)
+    mixed_host = (np.concatenate([ref1.tokens.astype(np.int32), prompt]),) + mixed[1:]
+    ref2 = backend.step(*mixed_host)
+    ref3 = backend.step(ref2.tokens.astype(np.int32), *decode[1:])
+    for got, ref in ((first, ref1), (second, ref2), (third, ref3)):
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+        np.testing.assert_array_equal(got.logprobs, ref.logprobs)
