@@ -393,7 +393,6 @@ bool Engine::launch_graph(const HostStep& in) {
   const int Bg = g->batch, slot = graph_slot_;
   for (const Pending& p : pending_)
     OI_CHECK(!p.graph || p.slot != slot, "graph arena image " << slot << " is still in flight");
-  graph_slot_ ^= 1;
   char* h = graph_host_[slot];
   auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
   std::memcpy(h + ga_.ids, in.ids, B * 4);
@@ -443,6 +442,7 @@ bool Engine::launch_graph(const HostStep& in) {
   p.B = p.S = B;
   pending_.push_back(std::move(p));
   last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens);
+  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
   return true;
 }
 
@@ -553,7 +553,6 @@ Engine::Pending Engine::enqueue(const HostStep& in, const Checked& c, bf16* kv_c
   const int slot = meta_slot_;
   for (const Pending& p : pending_)
     OI_CHECK(p.graph || p.slot != slot, "staging slot " << slot << " is still in flight");
-  meta_slot_ ^= 1;
   char* host = host_meta_[slot];
   char* dev = dev_meta_[slot];
 
@@ -610,6 +609,7 @@ Engine::Pending Engine::enqueue(const HostStep& in, const Checked& c, bf16* kv_c
   }
   OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
   last_tokens_ = m.out_tokens;
+  meta_slot_ ^= 1;  // only once queued: after a failed launch the slot stays free
   return p;
 }
 

@@ -94,7 +94,7 @@ class Engine {
     bool graph = false;
     int slot = 0;  // graph arena image, or eager staging slot
     int B = 0, S = 0, num_logprobs = 0;
-    std::vector<float> logits;  // filled by the step's copy when it asked for logits
+    std::vector<float> logits;  // when the step asked for logits (pageable: that launch waits for its copy)
   };
   // A step outside the decode buckets (prefill chunks, mixed batches, logprobs), queued eagerly.
   Pending enqueue(const HostStep& in, const Checked& c, bf16* kv_cache);
@@ -142,7 +142,7 @@ class Engine {
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
   cudaEvent_t graph_ev_[2][3] = {};            // per slot: start, end of the forward, outputs on the host
   int graph_slot_ = 0;
-  int last_launch_S_ = -1;                     // sampled rows of the last launch (-1: none since collect drained)
+  int last_launch_S_ = -1;                     // sampled rows of the last launch (-1: none yet)
   const int32_t* last_tokens_ = nullptr;       // device: the last launch's sampled tokens (what prev_rows reads)
   std::deque<Pending> pending_;
   char* graph_dev_ = nullptr;

@@ -39,7 +39,7 @@ class ReferenceBackend:
             fed = np.flatnonzero(prev_rows >= 0)
             qsl = np.asarray(args["query_start_loc"])
             # the CUDA engine's rules: a step launched before, fed rows are one token at their own index
-            if self._last is None or (prev_rows >= len(self._last.tokens)).any() or \
+            if self._last is None or (prev_rows >= len(self._last.tokens)).any() or (prev_rows < -1).any() or \
                     (qsl[fed] != fed).any() or (qsl[fed + 1] != fed + 1).any():
                 raise ValueError("prev_rows: fed rows must be one token at their own index, from a step launched before")
             ids = np.array(args["input_ids"], dtype=np.int32)
