@@ -9,7 +9,8 @@
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
 # CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
 # kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), overlap (concurrency 1 and 64
-# with --overlap-steps true and false, side by side), footprint.
+# with --overlap-steps true and false, side by side), ab (QPS 32 and concurrency 64, 40 s each, for the
+# tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -45,6 +46,11 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
                  SERVER_ARGS="--overlap-steps $ov" SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b-overlap-$ov \
                  bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/overlap" | tail -3
              done ;;
+    ab) need_4b && [ -d .alt/src ] && for tree in alt this; do  # .alt/ from bench/alt_tree.sh REV, carried
+          cmd="python3 -m openinfer.cli"; [ $tree = alt ] && cmd="env PYTHONPATH=$PWD/.alt/src:/tmp/site $cmd"
+          POINT_SECONDS=${POINT_SECONDS:-40} QPS_GRID="32" CONC_GRID=" " EXTRA_QPS=" " EXTRA_CONC="64" \
+            SERVER_CMD="$cmd" TAG=qwen3-4b-$tree bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/ab" | tail -3
+        done ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
     *) echo "unknown stage $stage" ;;
