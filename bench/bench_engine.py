@@ -130,7 +130,8 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--knobs", default="", help="experiment switches set before the engine is made, as "
                     "'name=value,...' calls of _engine.ops; settings separated by ';' run in turn in this process "
-                    "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4')")
+                    "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4'); a knob keeps its value until a later "
+                    "setting sets it again")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

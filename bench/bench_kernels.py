@@ -58,7 +58,7 @@ def chain(a, _engine) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default=None, help="row counts (default 1,2,4,8; --chain: 1,2, the fused GEMV's)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
     ap.add_argument("--chain", default=None, help="models (4b,8b,32b): time the GEMV chain instead")
@@ -66,6 +66,7 @@ def main() -> None:
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
     a = ap.parse_args()
+    a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")
     from openinfer import _engine
 
     if a.chain or a.attention:
