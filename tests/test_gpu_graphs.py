@@ -38,12 +38,15 @@ def engine(tmp_path_factory):
     del eng
 
 
-def _decode_batch(backend, B, rng, next_block):
-    """Prefill B sequences of mixed lengths, return the arrays of one decode step over all of them."""
-    lens = rng.integers(1, 700, B)
-    lens[0] = 1
-    if B > 1:
-        lens[1] = 16  # a block edge
+def _decode_batch(backend, B, rng, next_block, lens=None):
+    """Prefill B sequences of mixed lengths (or `lens`), return the arrays of one decode step over all
+    of them, and the next free block."""
+    if lens is None:
+        lens = rng.integers(1, 700, B)
+        lens[0] = 1
+        if B > 1:
+            lens[1] = 16  # a block edge
+    lens = np.asarray(lens)
     tables, ctx = [], []
     for n in lens:
         nb = -(-(int(n) + 1) // 16)
@@ -214,3 +217,58 @@ def test_overlapped_decode_generates_the_same(engine):
             assert reason == "length" and len(t) == 12 and not set(s) & set(t)
     assert le.stats()["overlapped_steps"] >= before + 29  # run(params): 30 decode steps, the first from schedule()
     assert le.stats()["kv_blocks_used"] == 0 and le.backend.eng.pending == 0
+
+
+def test_fed_steps_equal_host_fed_steps(engine):
+    """Steps launched behind the running one take its sampled tokens on the device. A chain of four:
+    a graph decode step (three rows) feeds an eager mixed step (those rows and a new 7-token prompt),
+    which feeds an eager decode step asking for top logprobs (both staging slots in flight), which feeds
+    a graph decode step. Each equals the same step given its tokens on the host, bit for bit."""
+    backend = engine.llm_engine.backend
+    rng = np.random.default_rng(5)
+    args, nxt = _decode_batch(backend, 3, rng, 1, [5, 20, 40])  # their blocks hold three more tokens each
+    pos0, bt0, temp = args[1], args[4], args[7]
+    prompt = rng.integers(0, 151643, 7).astype(np.int32)
+    bt = np.zeros((4, bt0.shape[1]), np.int32)
+    bt[:3] = bt0
+    bt[3, 0] = nxt
+
+    def slots(rows, positions):
+        return np.array([bt[b, p // 16] * 16 + p % 16 for b, p in zip(rows, positions)], np.int32)
+
+    samp = (np.resize(temp, 4).astype(np.float32), np.full(4, 0.9, np.float32), np.full(4, 50, np.int32),
+            (np.arange(4) + 11).astype(np.uint64))
+    p1 = (pos0 + 1).astype(np.int32)
+    mixed = (np.concatenate([np.zeros(3, np.int32), prompt]), np.concatenate([p1, np.arange(7)]).astype(np.int32),
+             np.array([0, 1, 2, 3, 10], np.int32), np.array([*(p1 + 1), 7], np.int32), bt,
+             slots([0, 1, 2, 3, 3, 3, 3, 3, 3, 3], [*p1, *range(7)]), np.array([0, 1, 2, 9], np.int32), *samp)
+
+    def decode(p):
+        return (np.zeros(4, np.int32), p, np.arange(5, dtype=np.int32), p + 1, bt, slots(range(4), p),
+                np.arange(4, dtype=np.int32), *samp)
+
+    p2 = np.array([*(p1 + 1), 7], np.int32)
+    third, fourth = decode(p2), decode(p2 + 1)
+    fed3 = np.array([0, 1, 2, -1], np.int32)
+    every = np.arange(4, dtype=np.int32)
+    before = backend.eng.graph_steps
+    backend.launch(*args)
+    backend.launch(*mixed, prev_rows=fed3)
+    got = [backend.collect()]
+    backend.launch(*third, num_logprobs=2, prev_rows=every)  # eager: two staging slots in flight
+    got.append(backend.collect())
+    backend.launch(*fourth, prev_rows=every)
+    got += [backend.collect(), backend.collect()]
+    assert backend.eng.graph_steps == before + 2, "the first and last steps replayed graphs"
+    # the same steps with the tokens given on the host: they rewrite the same K/V, so each sees what it saw
+    ref = [backend.step(*args)]
+    ref.append(backend.step(np.concatenate([ref[0].tokens.astype(np.int32), prompt]), *mixed[1:]))
+    ref.append(backend.step(ref[1].tokens.astype(np.int32), *third[1:], num_logprobs=2))
+    ref.append(backend.step(ref[2].tokens.astype(np.int32), *fourth[1:]))
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(g.tokens, r.tokens)
+        np.testing.assert_array_equal(g.logprobs, r.logprobs)
+    np.testing.assert_array_equal(got[2].top_ids, ref[2].top_ids)
+    np.testing.assert_array_equal(got[2].top_logprobs, ref[2].top_logprobs)
+    # the comparison sees a feed that did nothing: the placeholder ids give other results
+    assert not np.array_equal(backend.step(*mixed).logprobs, ref[1].logprobs)

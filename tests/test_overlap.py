@@ -1,5 +1,6 @@
-"""Overlapped decode: step N+1 launched before step N's tokens reach the host (fed on the device).
-Outputs must equal the synchronous loop's in every finish path, and no KV block may leak."""
+"""Overlapped steps: step N+1 (decode rows, prompt chunks, admissions) launched before step N's tokens
+reach the host (fed on the device). Outputs must equal the synchronous loop's in every finish path,
+and no KV block may leak."""
 import numpy as np
 import pytest
 
@@ -58,8 +59,9 @@ def test_stops_mid_overlap(pair):
     assert _used(on) == 0
 
 
-def test_logprobs_and_arrivals_fall_back_to_sync(tiny_dir):
-    """logprobs rows are not overlapped; a request arriving mid-decode is admitted on the next step."""
+def test_logprobs_and_arrivals_overlapped(tiny_dir):
+    """A request asking for top logprobs and requests arriving mid-decode: admitted into the step
+    launched behind the running one, with the same tokens as the synchronous loop."""
     runs = {}
     for overlap in (True, False):
         eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64, overlap_steps=overlap))
@@ -82,7 +84,7 @@ def test_logprobs_and_arrivals_fall_back_to_sync(tiny_dir):
         assert eng.stats()["kv_blocks_used"] == 0 and eng.stats()["num_running"] == 0
         runs[overlap] = (toks, eng.stats()["overlapped_steps"], lps)
     assert runs[True][0] == runs[False][0]
-    # b's logprobs (steps with logprobs run synchronously); fp32 sums differ slightly with the batch around b
+    # b's logprobs; fp32 sums differ slightly with the batch around b
     assert len(runs[True][2]) == 6 and np.allclose(runs[True][2], runs[False][2], rtol=0, atol=1e-4)
     assert [len(v) for v in runs[True][0].values()] == [10, 6, 7]
     assert runs[True][1] > 0
@@ -93,7 +95,7 @@ def test_abort_while_in_flight(tiny_dir, pair):
     for rid, p in zip("ab", PROMPTS):
         eng.add_request(rid, eng.tokenizer.encode(p), SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
     got = {"a": [], "b": []}
-    for _ in range(4):  # prefill (token 1, the next step launched behind it), then tokens 2, 3, 4
+    for _ in range(5):  # the prefill goes out; then each call launches the next step and collects tokens 1..4
         for u in eng.step():
             got[u.request_id] += u.new_token_ids
     assert eng._inflight is not None and len(got["a"]) == 4
@@ -146,54 +148,63 @@ def _decode_batch(sched, rows):
     return batch
 
 
-def test_continue_decode_policy(tokenizer):
+def test_schedule_next_policy(tokenizer):
     sched, bm = _sched(tokenizer)
     prev = _decode_batch(sched, [16, 5])  # row 0 computes position 15: its next position opens block 2
-    assert Scheduler.overlappable(prev)
-    nxt = sched.continue_decode(prev)
-    assert [(it.start, it.feed_row) for it in nxt.items] == [(16, 0), (5, 1)]
+    nxt = sched.schedule_next(prev)
+    assert [(it.start, it.num_tokens, it.feed_row) for it in nxt.items] == [(16, 1, 0), (5, 1, 1)]
     assert len(prev.items[0].seq.block_table) == 2 and len(prev.items[1].seq.block_table) == 1
     # a sequence whose pending token reaches max_len gets no row
     prev.items[1].seq.token_ids += [7, 7]  # 5 prompt + 2 outputs: the pending third ends it by length
-    assert [it.feed_row for it in sched.continue_decode(nxt).items] == [0]
-    # an admissible waiting request turns overlap off (schedule() admits it next)
+    assert [it.feed_row for it in sched.schedule_next(nxt).items] == [0]
+    # an admissible waiting request joins the step launched behind the running one, after the fed rows
     sched.add_request("w", [1, 2, 3], SamplingParams(max_tokens=2), seed=0)
-    assert sched.continue_decode(prev) is None
+    both = sched.schedule_next(prev)
+    assert [(it.start, it.num_tokens, it.feed_row, it.sample) for it in both.items] == \
+        [(16, 1, 0, True), (0, 3, -1, True)]
+    assert not sched.waiting
 
 
-def test_continue_decode_keeps_overlap_when_waiting_cannot_fit(tokenizer):
+def test_schedule_next_leaves_a_request_that_cannot_fit_waiting(tokenizer):
     sched, bm = _sched(tokenizer, num_blocks=6)
     prev = _decode_batch(sched, [3])
     sched.add_request("big", list(range(1, 60)), SamplingParams(max_tokens=20), seed=0)  # 5 blocks: no room now
-    assert sched.continue_decode(prev) is not None
+    nxt = sched.schedule_next(prev)
+    assert [it.feed_row for it in nxt.items] == [0] and len(sched.waiting) == 1
+
+
+def test_schedule_next_continues_prompt_chunks(tokenizer):
+    """A chunk that leaves prompt tokens is followed by the next chunk (tokens from the host); the
+    chunk that ends the prompt samples, and its token is fed into the next step's row."""
+    from openinfer.scheduler import ScheduledSeq
+    sched, bm = _sched(tokenizer)
+    sched.max_num_batched_tokens = 8
+    seq = sched.add_request("p", list(range(1, 21)), SamplingParams(max_tokens=4), seed=0)  # 20 prompt tokens
+    first = sched.schedule()
+    assert [(it.start, it.num_tokens, it.sample) for it in first.items] == [(0, 8, False)]
+    second = sched.schedule_next(first)
+    assert [(it.start, it.num_tokens, it.sample, it.feed_row) for it in second.items] == [(8, 8, False, -1)]
+    third = sched.schedule_next(second)
+    assert [(it.start, it.num_tokens, it.sample) for it in third.items] == [(16, 4, True)]
+    fourth = sched.schedule_next(third)
+    assert [(it.start, it.num_tokens, it.feed_row) for it in fourth.items] == [(20, 1, 0)]
+    args = Runner.pack(third, 16)
+    assert list(args["input_ids"]) == list(range(17, 21)) and "prev_rows" not in args
+    assert len(seq.block_table) == 2
 
 
 def test_pack_feeds_rows(tokenizer):
     sched, bm = _sched(tokenizer)
     prev = _decode_batch(sched, [4, 9])
-    args = Runner.pack(sched.continue_decode(prev), 16)
-    assert list(args["prev_rows"]) == [0, 1] and list(args["input_ids"]) == [0, 0]
-    assert list(args["positions"]) == [4, 9]
+    sched.add_request("w", [5, 6, 7], SamplingParams(max_tokens=2), seed=0)
+    args = Runner.pack(sched.schedule_next(prev), 16)
+    assert list(args["prev_rows"]) == [0, 1, -1] and list(args["input_ids"]) == [0, 0, 5, 6, 7]
+    assert list(args["positions"]) == [4, 9, 0, 1, 2] and list(args["query_start_loc"]) == [0, 1, 2, 5]
     assert "prev_rows" not in Runner.pack(prev, 16)
 
 
-def test_overlappable_rejects_prefill_and_logprobs(tokenizer):
-    from openinfer.scheduler import ScheduledSeq
-    sched, bm = _sched(tokenizer)
-    prev = _decode_batch(sched, [4, 7])
-    assert Scheduler.overlappable(prev)
-    seq = prev.items[1].seq
-    for item in (ScheduledSeq(seq, 0, 7, True), ScheduledSeq(seq, 0, 1, False)):  # a prefill chunk, a silent row
-        assert not Scheduler.overlappable(ScheduledBatch([prev.items[0], item]))
-    prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=0)  # the sampled token's only: fine
-    assert Scheduler.overlappable(prev)
-    prev.items[0].seq.params = SamplingParams(max_tokens=3, logprobs=1)
-    assert not Scheduler.overlappable(prev)
-    assert not Scheduler.overlappable(ScheduledBatch())
-
-
 def test_reference_backend_launch_contract(tiny_dir):
-    """Like the CUDA engine: rows are fed only from a decode step into a decode step."""
+    """Like the CUDA engine: a fed row is one token at its own index, fed from the step launched before."""
     eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=16))
     b = eng.backend
     one = dict(temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
@@ -207,16 +218,13 @@ def test_reference_backend_launch_contract(tiny_dir):
                   block_tables=np.array([[1]], np.int32), slot_mapping=np.array([19], np.int32),
                   sample_idx=np.array([0], np.int32), **one)
     first = b.step(**prefill)
-    with pytest.raises(ValueError, match="prev_rows"):  # the previous step was a prefill
-        b.launch(prev_rows=np.array([0], np.int32), **decode)
-    b.launch(**dict(decode, input_ids=first.tokens.astype(np.int32)))
-    b.launch(prev_rows=np.array([0], np.int32), **dict(decode, positions=np.array([4], np.int32),
-                                                        context_lens=np.array([5], np.int32),
-                                                        slot_mapping=np.array([20], np.int32)))
-    a, c = b.collect(), b.collect()
-    with pytest.raises(ValueError, match="prev_rows"):  # into a step asking for logprobs
-        b.launch(prev_rows=np.array([0], np.int32), num_logprobs=1, **decode)
-    assert a.tokens.shape == c.tokens.shape == (1,)
+    b.launch(prev_rows=np.array([0], np.int32), **decode)  # fed from the prefill's sampled token
+    fed = b.collect()
+    assert fed.tokens[0] == b.step(**dict(decode, input_ids=first.tokens.astype(np.int32))).tokens[0]
+    with pytest.raises(ValueError, match="prev_rows"):  # row 0 is three tokens, not one
+        b.launch(prev_rows=np.array([0], np.int32), **prefill)
+    with pytest.raises(ValueError, match="prev_rows"):  # the previous step sampled one row
+        b.launch(prev_rows=np.array([1], np.int32), **decode)
 
 
 def _workload(seed, max_model_len, stop_pool):
@@ -276,24 +284,3 @@ def test_random_workloads(tiny_dir, seed, num_blocks, max_model_len):
     assert on[:2] == off[:2] and on[2] > 0 and off[2] == 0
     assert "stop" in on[1].values()
     _drive(tiny_dir, True, reqs, num_blocks, max_model_len, aborts=[("r1", 10), ("r3", 15), ("r5", 22), ("r7", 31)])
-
-
-def test_continue_decode_after_a_synchronous_step(tokenizer):
-    """After a synchronous step the next decode step goes out before postprocess(), carrying the
-    sampled tokens from the host: prefill chunks that end their prompts continue too; a chunk that
-    does not, or a row asking for top logprobs, does not."""
-    from openinfer.scheduler import ScheduledSeq
-    sched, bm = _sched(tokenizer)
-    prev = _decode_batch(sched, [16, 5])
-    seq = prev.items[1].seq
-    prev.items[1] = ScheduledSeq(seq, 0, 5, True)  # its whole prompt as one chunk
-    nxt = sched.continue_decode(prev, tokens=np.array([11, 22], np.int32))
-    assert [(it.start, it.token, it.feed_row) for it in nxt.items] == [(16, 11, -1), (5, 22, -1)]
-    args = Runner.pack(nxt, 16)
-    assert list(args["input_ids"]) == [11, 22] and "prev_rows" not in args
-    assert sched.continue_decode(prev) is None  # not a decode-only batch: nothing to feed on the device from
-    prev.items[1] = ScheduledSeq(seq, 0, 3, False)  # a chunk that leaves prompt tokens to prefill
-    assert sched.continue_decode(prev, tokens=np.array([11], np.int32)) is None
-    prev.items[1] = ScheduledSeq(seq, 0, 5, True)
-    seq.params = SamplingParams(max_tokens=3, logprobs=2)
-    assert sched.continue_decode(prev, tokens=np.array([11, 22], np.int32)) is None

@@ -250,7 +250,7 @@ PYBIND11_MODULE(_engine, m) {
              e.launch(h);
            },
            STEP_ARGS, py::arg("prev_rows") = py::none(),
-           "queue a step (at most two pending); prev_rows[b] >= 0 feeds row b the previous step's token")
+           "queue a step (at most two pending); prev_rows[b] >= 0 feeds row b (one token, at index b) the previous launch's sampled token prev_rows[b]")
       .def("collect",
            [](Engine& e) {
              StepResult r;

@@ -48,8 +48,6 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   pdl_ = opt_.pdl && pdl_capable_;
   pdl_enabled() = pdl_;  // per host thread, read at every launch: set again before this engine launches
   OI_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  OI_CUDA_CHECK(cudaEventCreate(&ev0_));
-  OI_CUDA_CHECK(cudaEventCreate(&ev1_));
   gemm_ = std::make_unique<Gemm>(opt_.cublaslt_path);
   kv_ = KvLayout{d_.layers, d_.kv_heads, opt_.block_size, d_.head_dim};
 
@@ -107,9 +105,11 @@ Engine::~Engine() {
   gemm_.reset();
   for (void* p : allocations_) cudaFree(p);
   if (kv_cache_) cudaFree(kv_cache_);
-  if (host_meta_) cudaFreeHost(host_meta_);
-  if (ev0_) cudaEventDestroy(ev0_);
-  if (ev1_) cudaEventDestroy(ev1_);
+  for (int i = 0; i < 2; ++i) {
+    if (host_meta_[i]) cudaFreeHost(host_meta_[i]);
+    for (cudaEvent_t e : meta_ev_[i])
+      if (e) cudaEventDestroy(e);
+  }
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -242,10 +242,13 @@ int64_t Engine::finalize() {
 
   const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;
   meta_in_bytes_ = align_up(3 * T * 4) + align_up(B_cap_bytes(S)) + align_up(S * max_blocks_per_seq * 4) +
-                   align_up(4 * S * 4) + align_up(S * 8) + align_up((T + S) * sizeof(AttnWork)) + 16 * kAlign;
+                   align_up(6 * S * 4) + align_up(S * 8) + align_up((T + S) * sizeof(AttnWork)) + 16 * kAlign;  // + prev_rows
   meta_bytes_ = meta_in_bytes_ + align_up(2 * S * 4) + align_up(2 * S * kMaxLogprobs * 4) + 4 * kAlign;
-  OI_CUDA_CHECK(cudaMallocHost(&host_meta_, meta_bytes_));
-  dev_meta_ = static_cast<char*>(alloc(meta_bytes_, &act_bytes_));
+  for (int i = 0; i < 2; ++i) {
+    OI_CUDA_CHECK(cudaMallocHost(&host_meta_[i], meta_bytes_));
+    dev_meta_[i] = static_cast<char*>(alloc(meta_bytes_, &act_bytes_));
+    for (cudaEvent_t& e : meta_ev_[i]) OI_CUDA_CHECK(cudaEventCreate(&e));
+  }
 
   // Profiling step (one prompt through every kernel and GEMM shape class) on a throwaway pool, so
   // lazily loaded modules and plans are resident before free memory is read.
@@ -265,7 +268,8 @@ int64_t Engine::finalize() {
     hs.ids = ids.data(); hs.positions = pos.data(); hs.query_start_loc = qsl; hs.context_lens = ctx;
     hs.block_tables = bt.data(); hs.slots = slots.data(); hs.sample_idx = sidx;
     hs.temperature = temp; hs.top_p = topp; hs.top_k = topk; hs.seeds = seed; hs.num_logprobs = 1;
-    run(hs, check(hs, nb + 1), tmp);
+    Pending p = enqueue(hs, check(hs, nb + 1), tmp);
+    finish_eager(p);
     OI_CUDA_CHECK(cudaFree(tmp));
   }
 
@@ -387,8 +391,8 @@ bool Engine::launch_graph(const HostStep& in) {
   for (int b = 0; b < B; ++b)
     if (in.query_start_loc[b] != b || in.sample_idx[b] != b) return false;
   const int Bg = g->batch, slot = graph_slot_;
-  for (const Pending& p : pending_) OI_CHECK(p.slot != slot, "graph arena image " << slot << " is still in flight");
-  graph_slot_ ^= 1;
+  for (const Pending& p : pending_)
+    OI_CHECK(!p.graph || p.slot != slot, "graph arena image " << slot << " is still in flight");
   char* h = graph_host_[slot];
   auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
   std::memcpy(h + ga_.ids, in.ids, B * 4);
@@ -419,9 +423,9 @@ bool Engine::launch_graph(const HostStep& in) {
   cudaEvent_t* ev = graph_ev_[slot];
   OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, bytes, cudaMemcpyHostToDevice, stream_));
   OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
-  if (in.prev_rows)  // the previous step's tokens are still in the arena's output field (stream order)
+  if (in.prev_rows)  // the previous step's tokens are still in its output field (stream order)
     feed_tokens(reinterpret_cast<int32_t*>(graph_dev_ + ga_.ids), reinterpret_cast<const int32_t*>(graph_dev_ + ga_.prev),
-                reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens), Bg, stream_);
+                last_tokens_, Bg, stream_);
   if (g->exec && !in.force_eager) {
     OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
     ++graph_steps_;
@@ -432,7 +436,13 @@ bool Engine::launch_graph(const HostStep& in) {
   OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bytes - ga_.tokens, cudaMemcpyDeviceToHost,
                                 stream_));
   OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
-  pending_.push_back(Pending{slot, B, {}});
+  Pending p;
+  p.graph = true;
+  p.slot = slot;
+  p.B = p.S = B;
+  pending_.push_back(std::move(p));
+  last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens);
+  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
   return true;
 }
 
@@ -461,24 +471,22 @@ void Engine::launch(const HostStep& in) {
   OI_CHECK(pending_.size() < 2, "launch() with two steps already pending: collect() first");
   const Checked c = check(in, num_blocks_);
   if (in.prev_rows) {
-    OI_INPUT_CHECK(last_launch_S_ >= 0, "prev_rows needs a decode step launched just before");
-    for (int b = 0; b < in.B; ++b)
+    OI_INPUT_CHECK(last_launch_S_ >= 0, "prev_rows needs a step launched before");
+    for (int b = 0; b < in.B; ++b) {
       OI_INPUT_CHECK(in.prev_rows[b] >= -1 && in.prev_rows[b] < last_launch_S_, "prev_rows[" << b << "] = " << in.prev_rows[b]);
+      OI_INPUT_CHECK(in.prev_rows[b] < 0 || (in.query_start_loc[b] == b && in.query_start_loc[b + 1] == b + 1),
+                     "fed row " << b << " must be one token at index " << b);
+    }
   }
-  if (launch_graph(in)) {
-    last_launch_S_ = in.S;
-    return;
-  }
-  OI_INPUT_CHECK(!in.prev_rows, "prev_rows is only for decode steps (one token per sequence, no logprobs)");
-  last_launch_S_ = -1;
-  pending_.push_back(Pending{-1, in.B, run(in, c, kv_cache_)});
+  if (!launch_graph(in)) pending_.push_back(enqueue(in, c, kv_cache_));
+  last_launch_S_ = in.S;
 }
 
 StepResult Engine::collect() {
   OI_CHECK(!pending_.empty(), "collect() with no step launched");
   Pending p = std::move(pending_.front());
   pending_.pop_front();
-  return p.slot < 0 ? std::move(p.ready) : finish_graph(p);
+  return p.graph ? finish_graph(p) : finish_eager(p);
 }
 
 Engine::Checked Engine::check(const HostStep& in, int64_t num_blocks) const {
@@ -533,21 +541,28 @@ Engine::Checked Engine::check(const HostStep& in, int64_t num_blocks) const {
   return c;
 }
 
-// A step outside the decode buckets (prefill chunks, mixed batches, logprobs), eager and synchronous.
-StepResult Engine::run(const HostStep& in, const Checked& c, bf16* kv_cache) {
+// A step outside the decode buckets (prefill chunks, mixed batches, logprobs), queued eagerly. Its
+// inputs go through one of two pinned staging slots, so the next step can be staged while it runs;
+// finish_eager() waits for it.
+Engine::Pending Engine::enqueue(const HostStep& in, const Checked& c, bf16* kv_cache) {
   const int T = in.T, B = in.B, S = in.S;
   const std::vector<AttnWork>& work = c.work;
   const int max_ctx = c.max_ctx, max_rows = c.max_rows;
   const std::vector<int32_t>& sample_pos = c.sample_pos;
   const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_);
+  const int slot = meta_slot_;
+  for (const Pending& p : pending_)
+    OI_CHECK(p.graph || p.slot != slot, "staging slot " << slot << " is still in flight");
+  char* host = host_meta_[slot];
+  char* dev = dev_meta_[slot];
 
   // Pack every input into the pinned staging area and send it with one copy.
   size_t off = 0;
   auto put = [&](const void* src, size_t bytes) {
-    void* dev = dev_meta_ + off;
-    if (bytes) std::memcpy(host_meta_ + off, src, bytes);
+    void* d = dev + off;
+    if (bytes) std::memcpy(host + off, src, bytes);
     off = align_up(off + bytes);
-    return dev;
+    return d;
   };
   StepMeta m{};
   m.T = T; m.B = B; m.S = S; m.bt_stride = in.bt_stride;
@@ -564,39 +579,58 @@ StepResult Engine::run(const HostStep& in, const Checked& c, bf16* kv_cache) {
   m.top_k = (const int32_t*)put(in.top_k, S * 4);
   m.seeds = (const uint64_t*)put(in.seeds, S * 8);
   m.work = (const AttnWork*)put(work.data(), work.size() * sizeof(AttnWork));
+  const int32_t* prev = in.prev_rows ? (const int32_t*)put(in.prev_rows, B * 4) : nullptr;
   OI_CHECK(off <= meta_in_bytes_, "step metadata overflows its staging area");
   const size_t in_bytes = off;
   off = meta_in_bytes_;  // outputs follow the inputs
   const size_t out_start = off;
-  m.out_tokens = (int32_t*)(dev_meta_ + off); off = align_up(off + S * 4);
-  m.out_logprobs = (float*)(dev_meta_ + off); off = align_up(off + S * 4);
-  m.out_top_ids = (int32_t*)(dev_meta_ + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
-  m.out_top_logprobs = (float*)(dev_meta_ + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
+  m.out_tokens = (int32_t*)(dev + off); off = align_up(off + S * 4);
+  m.out_logprobs = (float*)(dev + off); off = align_up(off + S * 4);
+  m.out_top_ids = (int32_t*)(dev + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
+  m.out_top_logprobs = (float*)(dev + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
   OI_CHECK(off <= meta_bytes_, "step outputs overflow their staging area");
 
-  OI_CUDA_CHECK(cudaMemcpyAsync(dev_meta_, host_meta_, in_bytes, cudaMemcpyHostToDevice, stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev0_, stream_));
+  cudaEvent_t* ev = meta_ev_[slot];
+  OI_CUDA_CHECK(cudaMemcpyAsync(dev, host, in_bytes, cudaMemcpyHostToDevice, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
+  if (prev)  // fed rows are rows 0..B-1 at their own token index (checked in launch())
+    feed_tokens(const_cast<int32_t*>(m.ids), prev, last_tokens_, B, stream_);
   qwen3_forward(d_, w_, act_, m, rope_, kv_cache, kv_, *gemm_, num_sms_, stream_);
-  OI_CUDA_CHECK(cudaEventRecord(ev1_, stream_));
-  OI_CUDA_CHECK(cudaMemcpyAsync(host_meta_ + out_start, dev_meta_ + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
-  StepResult r;
+  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(host + out_start, dev + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
+  Pending p;
+  p.slot = slot;
+  p.B = B;
+  p.S = S;
+  p.num_logprobs = in.num_logprobs;
   if (in.return_logits && S > 0) {
-    r.logits.resize((size_t)S * d_.vocab);
-    OI_CUDA_CHECK(cudaMemcpyAsync(r.logits.data(), act_.logits, r.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
+    p.logits.resize((size_t)S * d_.vocab);
+    OI_CUDA_CHECK(cudaMemcpyAsync(p.logits.data(), act_.logits, p.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
   }
-  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev0_, ev1_));
-  const char* h = host_meta_ + out_start;
+  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
+  last_tokens_ = m.out_tokens;
+  meta_slot_ ^= 1;  // only once queued: after a failed launch the slot stays free
+  return p;
+}
+
+StepResult Engine::finish_eager(Pending& p) {
+  cudaEvent_t* ev = meta_ev_[p.slot];
+  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+  StepResult r;
+  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev[0], ev[1]));
+  r.logits = std::move(p.logits);
+  const char* h = host_meta_[p.slot] + meta_in_bytes_;
   auto take = [&](auto& vec, size_t n, size_t& o) {
     using Tv = typename std::decay_t<decltype(vec)>::value_type;
     vec.assign(reinterpret_cast<const Tv*>(h + o), reinterpret_cast<const Tv*>(h + o) + n);
     o = align_up(o + n * sizeof(Tv));
   };
   size_t o = 0;
+  const int S = p.S;
   take(r.tokens, S, o);
   take(r.logprobs, S, o);
-  take(r.top_ids, (size_t)S * in.num_logprobs, o);
-  take(r.top_logprobs, (size_t)S * in.num_logprobs, o);
+  take(r.top_ids, (size_t)S * p.num_logprobs, o);
+  take(r.top_logprobs, (size_t)S * p.num_logprobs, o);
   return r;
 }
 

@@ -37,8 +37,8 @@ struct HostStep {
   bool return_logits = false;
   bool force_eager = false;  // decode buckets launched without their graph (for graph == eager tests)
   // [B] or null. Row b's input id is the previous launch's sampled token prev_rows[b] when >= 0 (its
-  // ids[b] is then ignored): a decode step can go out before the previous one's tokens reach the host.
-  // Only for decode steps that follow a decode step.
+  // ids[b] is then ignored): a step can go out before the previous one's tokens reach the host. A fed
+  // row has one token, at index b (the rows that continue decoding come first in a step).
   const int32_t* prev_rows = nullptr;
 };
 
@@ -61,8 +61,8 @@ class Engine {
   // After the weights: allocate activations, run one profiling step, size and zero the KV pool.
   int64_t finalize();
   StepResult step(const HostStep& in);  // launch + collect; nothing may be pending
-  // Overlapped decode: launch() queues a step and returns once its inputs are staged (at most two
-  // steps pending); collect() waits for the oldest and returns its result. Non-decode steps run at once.
+  // Overlapped steps: launch() queues a step and returns once its inputs are staged (at most two steps
+  // pending); collect() waits for the oldest and returns its result.
   void launch(const HostStep& in);
   StepResult collect();
   int pending() const { return (int)pending_.size(); }
@@ -90,12 +90,15 @@ class Engine {
     int max_ctx = 0, max_rows = 1;
   };
   Checked check(const HostStep& in, int64_t num_blocks) const;
-  StepResult run(const HostStep& in, const Checked& c, bf16* kv_cache);
   struct Pending {
-    int slot = -1;  // graph host slot, or -1: `ready` holds the finished result
-    int B = 0;
-    StepResult ready;
+    bool graph = false;
+    int slot = 0;  // graph arena image, or eager staging slot
+    int B = 0, S = 0, num_logprobs = 0;
+    std::vector<float> logits;  // when the step asked for logits (pageable: that launch waits for its copy)
   };
+  // A step outside the decode buckets (prefill chunks, mixed batches, logprobs), queued eagerly.
+  Pending enqueue(const HostStep& in, const Checked& c, bf16* kv_cache);
+  StepResult finish_eager(Pending& p);
   // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
   struct Graph {
     int batch = 0;
@@ -113,7 +116,6 @@ class Engine {
   EngineOptions opt_;
   KvLayout kv_{};
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t ev0_ = nullptr, ev1_ = nullptr;
   int num_sms_ = 0;
   std::string device_name_;
   std::unique_ptr<Gemm> gemm_;
@@ -125,9 +127,12 @@ class Engine {
   int64_t num_blocks_ = 0;
   int64_t weight_bytes_ = 0, act_bytes_ = 0;
   int max_split_rows_ = 4096;
-  // one pinned staging area and its device twin for all per-step metadata and outputs
-  char* host_meta_ = nullptr;
-  char* dev_meta_ = nullptr;
+  // Two pinned staging areas (eager steps alternate, so one can be filled while the other's step
+  // runs) and their device twins, for all per-step metadata and outputs.
+  char* host_meta_[2] = {nullptr, nullptr};
+  char* dev_meta_[2] = {nullptr, nullptr};
+  cudaEvent_t meta_ev_[2][3] = {};  // per slot: start, end of the forward, outputs on the host
+  int meta_slot_ = 0;
   size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
   bool finalized_ = false;
   bool pdl_capable_ = false;  // sm_90+
@@ -137,7 +142,8 @@ class Engine {
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
   cudaEvent_t graph_ev_[2][3] = {};            // per slot: start, end of the forward, outputs on the host
   int graph_slot_ = 0;
-  int last_launch_S_ = -1;                     // sampled rows of the last launch when it was a decode bucket
+  int last_launch_S_ = -1;                     // sampled rows of the last launch (-1: none yet)
+  const int32_t* last_tokens_ = nullptr;       // device: the last launch's sampled tokens (what prev_rows reads)
   std::deque<Pending> pending_;
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;

@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
       help="time cuBLASLt algorithms for the decode shapes at start-up (false: the same algorithms, and so the same "
            "output bits, on every start)")
     a("--overlap-steps", type=_bool, default=True, metavar="{true,false}",
-      help="launch each decode step before the previous one's tokens reach the host, so scheduling and "
+      help="launch each step before the previous one's tokens reach the host, so scheduling and "
            "streaming run while the GPU works")
     a("--no-prefix-cache", action="store_true",
       help="turn off prefix caching (reuse of KV blocks across requests sharing a prompt prefix)")

@@ -139,7 +139,7 @@ class EngineConfig:
     # can pick differently on each start, and so change the last bits of the outputs; False keeps the
     # heuristic's first pick, so every start computes the same bits.
     gemm_autotune: bool = True
-    overlap_steps: bool = True  # launch decode step N+1 before step N's tokens reach the host
+    overlap_steps: bool = True  # launch step N+1 before step N's tokens reach the host
     num_kv_blocks: int | None = None  # override the pool size (cpu default: 512 MiB of fp32 KV)
     max_waiting: int = 1024
     model_config: ModelConfig = field(init=False, repr=False)

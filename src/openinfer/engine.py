@@ -42,7 +42,7 @@ class LLMEngine:
             eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
         self.runner = Runner(self.backend, config.kv_block_size)
         self._overlap = config.overlap_steps and hasattr(self.backend, "launch")
-        self._inflight = None  # the overlapped decode step launched and not yet collected
+        self._inflight = None  # the step launched and not yet collected (overlapped steps)
         self._closed = False
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
         log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d", config.device,
@@ -100,9 +100,10 @@ class LLMEngine:
         """One step. `before_launch` runs after scheduling, right before the backend call (which
         drops the GIL): the server posts the previous step's updates there.
 
-        Overlapped decode: a decode-only batch is launched and left running; the next call launches the
-        step after it (input tokens fed on the device) before collecting it, so the host's scheduling and
-        postprocessing hide under the GPU. The updates of a step come from the call after its launch."""
+        Overlapped steps: a step is launched and left running; the next call launches the step after it
+        (decode rows fed on the device, prompt chunks, admissions) before collecting it, so the host's
+        scheduling and postprocessing hide under the GPU. The updates of a step come from the call after
+        its launch."""
         t0 = time.perf_counter()
         try:
             updates, finished_step = self._step(before_launch)
@@ -127,18 +128,12 @@ class LLMEngine:
             batch = self.scheduler.schedule()
             if not batch.items:
                 return [], False
-            if self._overlap and self.scheduler.overlappable(batch):
-                self.runner.launch(batch, before_launch)
-                self._inflight = batch
-                return [], False
-            out = self.runner.run(batch, before_launch)
-            if self._overlap:  # the decode step after a synchronous one goes out before its postprocess
-                self._inflight = self.scheduler.continue_decode(batch, tokens=out.tokens)
-                if self._inflight is not None:
-                    self.runner.launch(self._inflight)
-                    self._timing["overlapped"] += 1
-            return self.scheduler.postprocess(batch, out), True
-        nxt = self.scheduler.continue_decode(prev) if self._overlap else None
+            if not self._overlap:
+                return self.scheduler.postprocess(batch, self.runner.run(batch, before_launch)), True
+            self.runner.launch(batch, before_launch)
+            self._inflight = batch
+            return [], False
+        nxt = self.scheduler.schedule_next(prev)
         if nxt is not None:
             self.runner.launch(nxt, before_launch)
             self._timing["overlapped"] += 1

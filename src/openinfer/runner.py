@@ -23,13 +23,10 @@ class Runner:
         qsl = np.zeros(len(items) + 1, dtype=np.int32)
         np.cumsum(lens, out=qsl[1:])
         fed = any(it.feed_row >= 0 for it in items)
-        if fed or any(it.token >= 0 for it in items):  # continuation rows (one token each), see continue_decode
-            # a token still on the device gets a placeholder here (prev_rows says where to take it from)
-            input_ids = np.array([it.token if it.token >= 0 else 0 if it.feed_row >= 0 else it.seq.token_ids[it.start]
-                                  for it in items], dtype=np.int32)
-        else:
-            input_ids = np.fromiter((t for it in items for t in it.seq.token_ids[it.start:it.start + it.num_tokens]),
-                                    dtype=np.int32, count=int(qsl[-1]))
+        # a token still on the device gets a placeholder here (prev_rows says where to take it from)
+        input_ids = np.fromiter((t for it in items for t in ((0,) if it.feed_row >= 0 else
+                                                             it.seq.token_ids[it.start:it.start + it.num_tokens])),
+                                dtype=np.int32, count=int(qsl[-1]))
         row = np.repeat(np.arange(len(items)), lens)  # sequence of each token
         positions = (starts[row] + np.arange(qsl[-1]) - qsl[:-1][row]).astype(np.int32)
         width = max((len(it.seq.block_table) for it in items), default=1)

@@ -91,7 +91,6 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: it produces a token
     feed_row: int = -1  # >= 0: the input token is row feed_row of the step still in flight (not on the host yet)
-    token: int = -1  # >= 0: the input token, known on the host but not yet appended (postprocess comes later)
 
 
 @dataclass
@@ -203,15 +202,19 @@ class Scheduler:
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
             budget -= self._add_chunk(batch, seq, budget)
+        self._allocate(batch)
+        return batch
+
+    def _allocate(self, batch: ScheduledBatch) -> None:
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
             need = -(-(it.start + it.num_tokens) // self.bs)
             while len(it.seq.block_table) < need:
                 it.seq.block_table.append(self.bm.allocate())
-        return batch
 
-    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int) -> int:
-        n = min(seq.num_prompt - seq.num_computed, budget)
-        batch.items.append(ScheduledSeq(seq, seq.num_computed, n, seq.num_computed + n == seq.num_prompt))
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, start: int | None = None) -> int:
+        start = seq.num_computed if start is None else start
+        n = min(seq.num_prompt - start, budget)
+        batch.items.append(ScheduledSeq(seq, start, n, start + n == seq.num_prompt))
         self._counters["prefill_tokens_computed"] += n
         return n
 
@@ -225,53 +228,39 @@ class Scheduler:
         taken_from_free = sum(self.bm.is_free(b) for b in hits)
         return hits, (seq.blocks_needed - len(hits)) + taken_from_free
 
-    def _can_admit_next(self) -> bool:
-        if not self.waiting or len(self.running) >= self.max_num_seqs:
-            return False
-        room = self.bm.num_free - self.promised_blocks()
-        seq = self.waiting[0]
-        return seq.blocks_needed <= room or self._admission_cost(seq)[1] <= room  # hits only lower the cost
-
-    # ---- overlapped decode ----
-    @staticmethod
-    def overlappable(batch: ScheduledBatch) -> bool:
-        """A batch of decode rows only, none asking for top logprobs (the decode graphs return just the
-        sampled token's): the next step may be launched while this one runs, its input tokens taken on
-        the device from this one's output."""
-        return bool(batch.items) and all(it.num_tokens == 1 and it.sample and not it.seq.params.logprobs
-                                         for it in batch.items)
-
-    def continue_decode(self, prev: ScheduledBatch, tokens=None) -> ScheduledBatch | None:
-        """The decode step after `prev`, scheduled before prev's postprocess(): one row per sequence of
-        prev that is still running and whose pending token cannot end it by length. Without `tokens`,
-        prev is an overlappable step still in flight and the rows are fed on the device from its output;
-        with `tokens` (prev's sampled tokens, on the host after a synchronous step) prev may be any batch
-        whose every item samples (decode rows, chunks that end their prompts) and the rows carry them.
-        None when the step should not follow at once: a waiting request can be admitted (a normal
-        schedule() takes it), a prompt is still being prefilled, a row asks for top logprobs, or no row
-        would remain. A sequence that stops on prev's token (EOS, a stop string) wastes its row:
-        postprocess() skips rows of finished sequences."""
-        if self._can_admit_next():
-            return None
-        if tokens is None:
-            if not self.overlappable(prev):
-                return None
-        elif not prev.items or any(not it.sample or it.seq.params.logprobs for it in prev.items):
-            return None
-        batch = ScheduledBatch()
-        for row, it in enumerate(prev.items):  # every item samples: item i is output row i
-            seq = it.seq
-            if seq.status is Status.RUNNING and len(seq.token_ids) + 1 < seq.max_len:
-                start = it.start + it.num_tokens  # the pending token's position
-                if tokens is None:
-                    batch.items.append(ScheduledSeq(seq, start, 1, True, feed_row=row))
-                else:
-                    batch.items.append(ScheduledSeq(seq, start, 1, True, token=int(tokens[row])))
+    # ---- overlapped steps ----
+    def schedule_next(self, prev: ScheduledBatch) -> ScheduledBatch | None:
+        """The step after `prev`, scheduled while prev runs (before its postprocess()): what schedule()
+        would return once prev is done, except that a row whose input is prev's sampled token takes it
+        on the device (feed_row: prev's output row). Those rows come first, one token each (the backend
+        feeds rows at their own index); then prompt chunks, then admissions. A sequence that stops on
+        prev's token (EOS, a stop string) wastes its row: postprocess() skips rows of finished
+        sequences; one that prev's token ends by length gets none. None when nothing would run."""
+        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
+        after_prev: dict[int, int] = {}  # id(seq) -> tokens computed once prev has run
+        row = 0
+        for it in prev.items:
+            seq, r = it.seq, row
+            row += it.sample
+            if seq.status is not Status.RUNNING:
+                continue
+            after_prev[id(seq)] = it.start + it.num_tokens
+            if it.sample and len(seq.token_ids) + 1 < seq.max_len:
+                batch.items.append(ScheduledSeq(seq, it.start + it.num_tokens, 1, True, feed_row=r))
+                budget -= 1
+        for seq in self.running:  # prompts under way, in admission order
+            done = after_prev.get(id(seq), seq.num_computed)
+            if done < seq.num_prompt and budget > 0:
+                budget -= self._add_chunk(batch, seq, budget, start=done)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admit(seq):
+                break
+            self.waiting.popleft()
+            budget -= self._add_chunk(batch, seq, budget)
         if not batch.items:
             return None
-        for it in batch.items:
-            if len(it.seq.block_table) * self.bs <= it.start:
-                it.seq.block_table.append(self.bm.allocate())
+        self._allocate(batch)
         return batch
 
     def _admit(self, seq: Sequence) -> bool:

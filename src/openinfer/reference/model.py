@@ -13,11 +13,6 @@ from . import ops
 F32 = np.float32
 
 
-def _is_decode(input_ids, context_lens, sample_idx, num_logprobs=0, return_logits=False, **_) -> bool:
-    """One sampled token per sequence, no logprobs or logits: what the CUDA engine's decode graphs run."""
-    return len(input_ids) == len(context_lens) == len(sample_idx) and not num_logprobs and not return_logits
-
-
 class ReferenceBackend:
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], num_blocks: int,
                  block_size: int = 16):
@@ -32,7 +27,6 @@ class ReferenceBackend:
                                   c.head_dim), dtype=F32)
         self._pending: deque[StepOutput] = deque()
         self._last: StepOutput | None = None
-        self._last_decode = False
 
     def close(self) -> None:
         self.w, self.kv_cache = {}, None
@@ -41,11 +35,14 @@ class ReferenceBackend:
         """The overlapped-step contract of the CUDA backend, computed at once: prev_rows[b] >= 0 takes
         row b's input token from the previous launch's output."""
         if prev_rows is not None:
-            # the CUDA engine feeds rows only from a decode step into a decode step
-            if self._last is None or not self._last_decode or not _is_decode(**args):
-                raise ValueError("prev_rows needs a decode step launched just before, into a decode step")
+            prev_rows = np.asarray(prev_rows)
+            fed = np.flatnonzero(prev_rows >= 0)
+            qsl = np.asarray(args["query_start_loc"])
+            # the CUDA engine's rules: a step launched before, fed rows are one token at their own index
+            if self._last is None or (prev_rows >= len(self._last.tokens)).any() or (prev_rows < -1).any() or \
+                    (qsl[fed] != fed).any() or (qsl[fed + 1] != fed + 1).any():
+                raise ValueError("prev_rows: fed rows must be one token at their own index, from a step launched before")
             ids = np.array(args["input_ids"], dtype=np.int32)
-            fed = prev_rows >= 0
             ids[fed] = self._last.tokens[prev_rows[fed]]
             args["input_ids"] = ids
         if len(self._pending) >= 2:
@@ -72,7 +69,7 @@ class ReferenceBackend:
             out.top_ids, out.top_logprobs = ops.top_logprobs(lp, num_logprobs)
         if return_logits:
             out.logits = logits
-        self._last, self._last_decode = out, _is_decode(input_ids, context_lens, sample_idx, num_logprobs, return_logits)
+        self._last = out
         return out
 
     def _forward(self, input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx):

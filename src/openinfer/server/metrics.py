@@ -53,7 +53,7 @@ class _EngineCollector:
         yield counter("openinfer_prompt_tokens", "Prompt tokens processed", stat(s, "prompt_tokens"))
         yield counter("openinfer_generation_tokens", "Tokens generated", stat(s, "generation_tokens"))
         yield counter("openinfer_engine_steps", "Engine steps run", self.ae.step_count)
-        yield counter("openinfer_overlapped_steps", "Decode steps launched before the previous step's tokens "
+        yield counter("openinfer_overlapped_steps", "Steps launched before the previous step's tokens "
                       "reached the host", stat(s, "overlapped_steps"))
         yield counter("openinfer_step_wall_seconds", "Wall time inside engine steps", stat(s, "step_wall_seconds"))
         yield counter("openinfer_step_gpu_seconds", "GPU time of engine steps (CUDA events)",
