@@ -270,10 +270,6 @@ PYBIND11_MODULE(_engine, m) {
     OI_CHECK(n >= 0 && n <= kAttnMaxCluster, "attention_cluster_cap: " << n << " (0.." << kAttnMaxCluster << ")");
     attention_cluster_cap() = n;
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
-  ops.def("attention_pdl", [](int bits) {
-    OI_CHECK(bits >= 0 && bits <= 3, "attention_pdl: " << bits << " (0..3)");
-    attention_pdl() = bits;
-  }, "decode attention under PDL: 1 early launch, 2 early trigger for the next kernel (default 3)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

@@ -48,13 +48,13 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Scores and P.V run on tensor cores (m16n8k16); softmax is online, in the log2 domain.
 // CLU: the splits form thread-block clusters (grid z, C = cluster size) that merge through distributed
 // shared memory: no workspace round trip, fence or counter unless more than one cluster holds keys.
-// Under PDL (decode at small batch) the block reads the step's metadata and requests its first K/V tile
-// before `pdl_wait()` when that tile holds only keys of earlier steps: the previous kernel (this layer's
-// q/k norm + RoPE + KV write) writes Q and this step's keys alone. `trigger` lets the next kernel (the
-// o projection) launch once every block has requested all its keys, so its weight requests overlap the
-// merge instead of queueing ahead of the K/V loads.
+// Under PDL (decode of up to kAttnMaxEarlyItems items) the block reads the step's metadata and requests
+// its first K/V tile before `pdl_wait()` when that tile holds only keys of earlier steps: the previous
+// kernel (this layer's q/k norm + RoPE + KV write) writes Q and this step's keys alone. No early
+// trigger: the o projection's weight requests would compete with the merge (a trigger after the key
+// loop measured 3-6% slower per step at batch 1).
 template <int NW, int KT, bool CLU>
-__global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2, bool trigger) {
+__global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
   constexpr int kRows = 16 * NW, kThreads = NW * 32, kNT = KT / 8;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16(*sQ)[kLd] = reinterpret_cast<bf16(*)[kLd]>(smem_raw);
@@ -233,7 +233,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     }
     __syncthreads();  // the next iteration's prefetch overwrites this stage
   }
-  if (trigger) pdl_trigger();  // every key of this block is in: the next kernel may launch
 
   // Row sums are spread over the quad.
 #pragma unroll
@@ -447,13 +446,13 @@ int max_cluster() {
 }
 
 template <int NW, int KT, bool CLU>
-void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, bool trigger, cudaStream_t s) {
+void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
   static_assert(!CLU || (16 * NW + 2 * kStages * KT) * kLd * 2 >= 16 * NW * (kD + 1) * 4, "cluster merge buffer");
   auto kernel = paged_attention_kernel<NW, KT, CLU>;
   configure<NW, KT, CLU>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
   OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a,
-                              scale_log2, trigger));
+                              scale_log2));
 }
 
 }  // namespace
@@ -463,10 +462,6 @@ int& attention_cluster_cap() {
   return cap;
 }
 
-int& attention_pdl() {
-  static int bits = 3;
-  return bits;
-}
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
@@ -507,13 +502,13 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   if (attention_cluster_cap() > 0) cap = std::min(cap, attention_cluster_cap());
   while (cluster < cap && a.num_splits % (2 * cluster) == 0) cluster *= 2;
   // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
-  // previous kernel runs piles onto the SMs it leaves free (launch.cuh).
-  const bool early = (attention_pdl() & 1) && a.max_rows <= 16 && a.num_work <= kAttnMaxEarlyItems;
-  const bool trigger = attention_pdl() & 2;
-  if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, early, trigger, s);
-  else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, early, trigger, s);
-  else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, trigger, s);
-  else launch<4, 64, false>(a, grid, 1, scale_log2, false, trigger, s);
+  // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
+  // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
+  const bool early = a.max_rows <= 16 && a.num_work <= kAttnMaxEarlyItems;
+  if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, early, s);
+  else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, early, s);
+  else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
+  else launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
 }
 
 }  // namespace oi

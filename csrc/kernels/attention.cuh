@@ -52,9 +52,6 @@ void paged_attention(const AttnArgs& a, cudaStream_t s);
 // Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
 int& attention_cluster_cap();
 
-// Programmatic dependent launch of decode attention, bits (A/B switch, default 3): 1 launches it early
-// (up to kAttnMaxEarlyItems work items), 2 lets the next kernel launch once its keys are loaded.
-int& attention_pdl();
-constexpr int kAttnMaxEarlyItems = 8;
+constexpr int kAttnMaxEarlyItems = 8;  // decode grids of up to this many items launch early (PDL)
 
 }  // namespace oi
