@@ -114,7 +114,9 @@ def test_cuda_graph_off_generates_the_same(tmp_path):
 def test_pdl_graph_equals_plain_eager(engine, B):
     """Programmatic dependent launch lets each kernel start before the previous one ends; every kernel
     waits for its inputs, so a graph captured with PDL matches the same step launched eagerly without it,
-    bit for bit. (Within one engine: two engines may time different cuBLASLt algorithms at start-up.)"""
+    bit for bit. (Within one engine: two engines may time different cuBLASLt algorithms at start-up.)
+    Up to 8 rows the decode attention is launched early too and requests the K/V tiles of earlier
+    steps before its wait: a tile holding this step's key read too soon would show here."""
     backend = engine.llm_engine.backend
     assert backend.eng.pdl, "the H200 runs with PDL by default"
     args, _ = _decode_batch(backend, B, np.random.default_rng(100 + B), 1)

@@ -48,6 +48,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Scores and P.V run on tensor cores (m16n8k16); softmax is online, in the log2 domain.
 // CLU: the splits form thread-block clusters (grid z, C = cluster size) that merge through distributed
 // shared memory: no workspace round trip, fence or counter unless more than one cluster holds keys.
+// Under PDL (decode of up to kAttnMaxEarlyItems items) the block reads the step's metadata and requests
+// its first K/V tile before `pdl_wait()` when that tile holds only keys of earlier steps: the previous
+// kernel (this layer's q/k norm + RoPE + KV write) writes Q and this step's keys alone. No early
+// trigger: the o projection's weight requests would compete with the merge (a trigger after the key
+// loop measured 3-6% slower per step at batch 1).
 template <int NW, int KT, bool CLU>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
   constexpr int kRows = 16 * NW, kThreads = NW * 32, kNT = KT / 8;
@@ -56,11 +61,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
   __shared__ int s_last;
-  // A no-op while this kernel is launched normally (it keeps the kernel correct if made early). No
-  // early trigger: the next GEMV's weight requests would queue ahead of this latency-bound kernel's
-  // KV loads (measured: docs/benchmarks.md, "Programmatic dependent launch").
-  pdl_wait();
-
   const AttnWork w = a.work[blockIdx.x];
   const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
@@ -76,7 +76,10 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   // Clusters: C consecutive splits merge first; `parts` partials remain for the workspace merge.
   const int C = CLU ? (int)cooperative_groups::this_cluster().num_blocks() : 1;
   const int cidx = split / C, parts = (used + C - 1) / C;
-  if (cidx * C >= used) return;  // the whole cluster is past the keys (a cluster exits together)
+  if (cidx * C >= used) {  // the whole cluster is past the keys (a cluster exits together)
+    pdl_wait();            // an early grid finishes only after its predecessor (launch.cuh)
+    return;
+  }
   const bool direct = !CLU && used == 1;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
@@ -108,12 +111,19 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     cp_async_commit();
   };
 
-  // The first kStages - 1 tiles go out before Q is read (a group per tile, empty past the split's keys).
+  // The first kStages - 1 tiles go out before Q is read (a group per tile, empty past the split's keys),
+  // before the wait when they hold only keys of earlier steps (positions below the item's first token).
+  auto prologue = [&] {
 #pragma unroll
-  for (int t = 0; t < kStages - 1; ++t) {
-    if (lo + t * KT < hi) load_tile(t, lo + t * KT);
-    else cp_async_commit();
-  }
+    for (int t = 0; t < kStages - 1; ++t) {
+      if (lo + t * KT < hi) load_tile(t, lo + t * KT);
+      else cp_async_commit();
+    }
+  };
+  const bool old_keys = lo + (kStages - 1) * KT <= a.positions[w.tok_start];
+  if (old_keys) prologue();
+  pdl_wait();
+  if (!old_keys) prologue();
   for (int i = tid; i < kRows * (kD / 8); i += kThreads) {
     const int r = i / (kD / 8), col = (i % (kD / 8)) * 8;
     uint4 v = make_uint4(0, 0, 0, 0);
@@ -436,14 +446,13 @@ int max_cluster() {
 }
 
 template <int NW, int KT, bool CLU>
-void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, cudaStream_t s) {
+void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
   static_assert(!CLU || (16 * NW + 2 * kStages * KT) * kLd * 2 >= 16 * NW * (kD + 1) * 4, "cluster merge buffer");
   auto kernel = paged_attention_kernel<NW, KT, CLU>;
   configure<NW, KT, CLU>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
-  // Not early (launch.cuh): a grid of small blocks placed while the previous kernel runs piles up.
-  OI_CUDA_CHECK(
-      launch_kernel(false, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a, scale_log2));
+  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a,
+                              scale_log2));
 }
 
 }  // namespace
@@ -452,6 +461,7 @@ int& attention_cluster_cap() {
   static int cap = 0;
   return cap;
 }
+
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
@@ -491,10 +501,14 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   int cap = a.max_rows <= 16 && a.num_splits > 1 ? max_cluster() : 1;
   if (attention_cluster_cap() > 0) cap = std::min(cap, attention_cluster_cap());
   while (cluster < cap && a.num_splits % (2 * cluster) == 0) cluster *= 2;
-  if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, s);
-  else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, s);
-  else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, s);
-  else launch<4, 64, false>(a, grid, 1, scale_log2, s);
+  // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
+  // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
+  // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
+  const bool early = a.max_rows <= 16 && a.num_work <= kAttnMaxEarlyItems;
+  if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, early, s);
+  else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, early, s);
+  else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
+  else launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
 }
 
 }  // namespace oi

@@ -11,8 +11,8 @@
 //  - `pdl_trigger()` (lets the next kernel launch) comes right after the wait: one kernel runs ahead;
 //  - early launch only where the block placement stays balanced. The scheduler places an early grid's
 //    blocks wherever the running kernel leaves room, so a grid of many small blocks piles onto a few
-//    SMs (decode attention early cost ~0.8 ms per 4B step at batch 64); GEMVs, at most 3 blocks per SM
-//    by registers, gain;
+//    SMs (decode attention early cost ~0.8 ms per 4B step at batch 64; it goes early up to 8 items,
+//    attention.cu); GEMVs, at most 3 blocks per SM by registers, gain;
 //  - never right after a library (cuBLASLt) kernel, which may trigger its dependents at its start
 //    (another ~1 ms at batch 64). Measurements: docs/benchmarks.md, "Programmatic dependent launch".
 // Graphs capture the attribute as a programmatic edge.
