@@ -3,7 +3,8 @@
 // requests its first round of weights), then `pdl_wait()` blocks until the previous grid has finished
 // and its writes are visible. Rules:
 //  - before its wait a kernel reads only memory that no kernel writes once the weights are loaded (the
-//    engine synchronizes after loading), and writes nothing;
+//    engine synchronizes after loading) or that only kernels known to be complete wrote (the decode
+//    attention's step metadata and K/V of earlier steps: attention.cu), and writes nothing;
 //  - every grid launched early waits in every thread before it touches memory that an earlier kernel
 //    writes (or reads, where it writes) and before it exits, so it finishes only after its predecessor:
 //    the chain is transitive. Kernels launched normally are fully serialized anyway; the kernels here
