@@ -190,6 +190,27 @@ def test_paged_attention_smaller_cluster_cap(cap):
         ops().attention_cluster_cap(0)
 
 
+@pytest.mark.parametrize("case", ["decode_b1_ctx1", "decode_b1_17", "decode_b1_1000", "decode_b1_32k",
+                                  "decode_b7_mixed", "decode_multi_token_chunks"])
+def test_decode_key_warps_equal_one_warp_blocks(case):
+    """Decode blocks of four warps that split the keys (split counts from 4 up that are multiples of 4)
+    compute what one-warp blocks compute: single-cluster, multi-cluster and cluster-of-1 merges."""
+    _, _, nH, nKV = SHAPES["4b"]
+    rng = np.random.default_rng(abs(hash(case)) % 2**32)
+    args, want = _attention_case(rng, nH, nKV, ATTN_CASES[case])
+    try:
+        for splits in (4, 12, 16, 64, 0):
+            got = {}
+            for on in (1, 0):
+                ops().attention_key_warps(on)
+                out, _ = ops().paged_attention(*args, splits)
+                got[on] = f32(out).reshape(want.shape)
+                assert rel_err(got[on], want) < TOL["attention"], (splits, on)
+            assert rel_err(got[1], got[0]) < TOL["attention"] / 2, splits
+    finally:
+        ops().attention_key_warps(1)
+
+
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])
 @pytest.mark.parametrize("ctx", [1, 17, 1024, 8191])
 def test_split_attention_equals_single_pass(batch, ctx):

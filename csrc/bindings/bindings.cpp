@@ -270,6 +270,8 @@ PYBIND11_MODULE(_engine, m) {
     OI_CHECK(n >= 0 && n <= kAttnMaxCluster, "attention_cluster_cap: " << n << " (0.." << kAttnMaxCluster << ")");
     attention_cluster_cap() = n;
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
+  ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
+          "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

@@ -48,22 +48,32 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Scores and P.V run on tensor cores (m16n8k16); softmax is online, in the log2 domain.
 // CLU: the splits form thread-block clusters (grid z, C = cluster size) that merge through distributed
 // shared memory: no workspace round trip, fence or counter unless more than one cluster holds keys.
+// KW (decode, with CLU): the NW warps share the same 16 query rows and split the block's keys in NW
+// contiguous parts, each streaming its own tiles; the block merges them in shared memory before the
+// cluster merge. A batch-1 block then has NW tiles in flight where a one-warp block has one, and the
+// split count falls by NW, so a cluster of 16 covers the keys without the workspace merge.
 // Under PDL (decode of up to kAttnMaxEarlyItems items) the block reads the step's metadata and requests
 // its first K/V tile before `pdl_wait()` when that tile holds only keys of earlier steps: the previous
 // kernel (this layer's q/k norm + RoPE + KV write) writes Q and this step's keys alone. No early
 // trigger: the o projection's weight requests would compete with the merge (a trigger after the key
 // loop measured 3-6% slower per step at batch 1).
-template <int NW, int KT, bool CLU>
+template <int NW, int KT, bool CLU, bool KW>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
-  constexpr int kRows = 16 * NW, kThreads = NW * 32, kNT = KT / 8;
+  static_assert(!KW || CLU, "key warps merge through the cluster path");
+  constexpr int kRows = KW ? 16 : 16 * NW, kThreads = NW * 32, kNT = KT / 8;
+  // Tile loaders: the whole block (row warps share tiles) or each warp alone (key warps).
+  constexpr int kLoaders = KW ? 32 : kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int ltid = KW ? lane : tid;
   bf16(*sQ)[kLd] = reinterpret_cast<bf16(*)[kLd]>(smem_raw);
-  bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + kRows * kLd * 2);
-  bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(smem_raw + (kRows + kStages * KT) * kLd * 2);
+  // K then V stages: one set per block, or one per warp for key warps.
+  bf16* stages = reinterpret_cast<bf16*>(smem_raw) + (kRows + (KW ? warp : 0) * 2 * kStages * KT) * kLd;
+  bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(stages);
+  bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(stages + kStages * KT * kLd);
   __shared__ int s_last;
   const AttnWork w = a.work[blockIdx.x];
-  const int kvh = blockIdx.y, split = blockIdx.z, tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
+  const int kvh = blockIdx.y, split = blockIdx.z;
   const int group = a.num_heads / a.kv.num_kv_heads;
   const int rows = w.num_tok * group;
   const int ctx = a.context_lens[w.seq];
@@ -83,27 +93,30 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   const bool direct = !CLU && used == 1;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
+  // This warp's keys: the split's, or its part of them (chunk is a multiple of 64 = NW key warps x 16).
+  const int klo = KW ? min(lo + warp * (chunk / NW), hi) : lo;
+  const int khi = KW ? min(klo + chunk / NW, hi) : hi;
 
   const int32_t* bt = a.block_tables + (int64_t)w.seq * a.bt_stride;
   const int64_t head_off = (int64_t)kvh * a.kv.block_size * kD;
   const int64_t v_off = (int64_t)a.kv.num_kv_heads * a.kv.block_size * kD;
   const bf16* layer_base = a.kv_cache + a.layer * a.kv.layer_stride() + head_off;
-  // The split's first 32 page ids, one per lane of every warp, read in one go: the tile loads below need
-  // no dependent global read (pages past 32, in splits of over 512 keys, are read when needed).
-  const int first_page = lo >> 4;
-  const int lane_page = lane < (hi - lo + 15) >> 4 ? bt[first_page + lane] : 0;
+  // The first 32 page ids of the warp's keys, one per lane, read in one go: the tile loads below need
+  // no dependent global read (pages past 32, in ranges of over 512 keys, are read when needed).
+  const int first_page = klo >> 4;
+  const int lane_page = lane < (khi - klo + 15) >> 4 ? bt[first_page + lane] : 0;
   // A tile is KT/16 pages; one page of one head is 16 keys x 128 dims, contiguous (4 KB) for K and for V.
   auto load_tile = [&](int stage, int k0) {
 #pragma unroll
     for (int pg = 0; pg < KT / 16; ++pg) {
-      const int idx = ((k0 - lo) >> 4) + pg;  // warp-uniform
+      const int idx = ((k0 - klo) >> 4) + pg;  // warp-uniform
       int page = __shfl_sync(0xffffffffu, lane_page, idx & 31);
-      if (idx >= 32 && k0 + pg * 16 < hi) page = bt[first_page + idx];
+      if (idx >= 32 && k0 + pg * 16 < khi) page = bt[first_page + idx];
 #pragma unroll
-      for (int i = tid; i < 512; i += kThreads) {  // {K,V} x 16-byte chunks of the page
+      for (int i = ltid; i < 512; i += kLoaders) {  // {K,V} x 16-byte chunks of the page
         const int is_v = i >> 8, e = i & 255;
         const int key = pg * 16 + (e >> 4), col = (e & 15) * 8;
-        const bool valid = k0 + key < hi;
+        const bool valid = k0 + key < khi;
         const bf16* src = layer_base + (int64_t)page * a.kv.block_stride() + (is_v ? v_off : 0) + (e >> 4) * kD + col;
         cp_async16(is_v ? &sV[stage][key][col] : &sK[stage][key][col], valid ? src : a.kv_cache, valid);
       }
@@ -116,11 +129,11 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   auto prologue = [&] {
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
-      if (lo + t * KT < hi) load_tile(t, lo + t * KT);
+      if (klo + t * KT < khi) load_tile(t, klo + t * KT);
       else cp_async_commit();
     }
   };
-  const bool old_keys = lo + (kStages - 1) * KT <= a.positions[w.tok_start];
+  const bool old_keys = klo + (kStages - 1) * KT <= a.positions[w.tok_start];
   if (old_keys) prologue();
   pdl_wait();
   if (!old_keys) prologue();
@@ -136,16 +149,17 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   // This thread's two rows (g and g + 8 of the warp): -1 masks every key (rows past the item).
   int pos[2];
 #pragma unroll
+  const int wrow = KW ? 0 : warp * 16;  // the warp's first query row
   for (int h2 = 0; h2 < 2; ++h2) {
-    const int r = warp * 16 + g + 8 * h2;
+    const int r = wrow + g + 8 * h2;
     pos[h2] = r < rows ? a.positions[w.tok_start + r / group] : -1;
   }
-  const bool warp_active = warp * 16 < rows;
+  const bool warp_active = wrow < rows;
   __syncthreads();
   uint32_t qf[kD / 16][4];
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    const int r0 = warp * 16 + g, d0 = ks * 16 + 2 * c;
+    const int r0 = wrow + g, d0 = ks * 16 + 2 * c;
     qf[ks][0] = lds32(&sQ[r0][d0]);
     qf[ks][1] = lds32(&sQ[r0 + 8][d0]);
     qf[ks][2] = lds32(&sQ[r0][d0 + 8]);
@@ -157,13 +171,18 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
 
-  for (int k0 = lo, it = 0; k0 < hi; k0 += KT, ++it) {
+  // Row warps share the tiles (block barriers); key warps own theirs (warp barriers, own trip counts).
+  auto tile_sync = [] {
+    if (KW) __syncwarp();
+    else __syncthreads();
+  };
+  for (int k0 = klo, it = 0; k0 < khi; k0 += KT, ++it) {
     const int stage = it % kStages;
     // Tile it + kStages - 1 refills the stage computed in the previous iteration (freed by its closing sync).
-    if (k0 + (kStages - 1) * KT < hi) load_tile((it + kStages - 1) % kStages, k0 + (kStages - 1) * KT);
+    if (k0 + (kStages - 1) * KT < khi) load_tile((it + kStages - 1) % kStages, k0 + (kStages - 1) * KT);
     else cp_async_commit();
     cp_async_wait<kStages - 1>();
-    __syncthreads();
+    tile_sync();
     if (warp_active) {
       float s[kNT][4];
 #pragma unroll
@@ -182,7 +201,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int key = k0 + nt * 8 + 2 * c + (e & 1), h2 = e >> 1;
-          const float v = (key < hi && key <= pos[h2]) ? s[nt][e] * scale_log2 : kNegInf;
+          const float v = (key < khi && key <= pos[h2]) ? s[nt][e] * scale_log2 : kNegInf;
           s[nt][e] = v;
           mx[h2] = fmaxf(mx[h2], v);
         }
@@ -231,7 +250,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         }
       }
     }
-    __syncthreads();  // the next iteration's prefetch overwrites this stage
+    tile_sync();  // the next iteration's prefetch overwrites this stage
   }
 
   // Row sums are spread over the quad.
@@ -246,19 +265,43 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     // Each block's normalized partial and log-sum-exp go to its own shared memory (free now) ...
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    static_assert(!CLU || NW == 1, "the cluster merge assumes one warp per block");
+    static_assert(!CLU || NW == 1 || KW, "the cluster merge takes one warp's rows per block");
     float* sO = reinterpret_cast<float*>(smem_raw);  // [kRows][kD]
     float* sL = sO + kRows * kD;                     // [kRows]
+    // Key warps first put their partials after sO / sL (NW x [16][kD], then NW x [16]).
+    float* pO = sL + kRows;
+    float* pL = pO + (KW ? NW : 0) * 16 * kD;
     cp_async_wait<0>();  // the overwritten Q/K region: no copy may still land there, no read be pending
     __syncthreads();
 #pragma unroll
     for (int h2 = 0; h2 < 2; ++h2) {
-      const int r = warp * 16 + g + 8 * h2;
+      const int r = g + 8 * h2;
+      float* dstO = KW ? pO + warp * 16 * kD : sO + warp * 16 * kD;
+      float* dstL = KW ? pL + warp * 16 : sL + warp * 16;
       const float inv = l[h2] > 0.f ? 1.f / l[h2] : 0.f;
 #pragma unroll
       for (int dn = 0; dn < kD / 8; ++dn)
-        *reinterpret_cast<float2*>(sO + r * kD + dn * 8 + 2 * c) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
-      if (c == 0) sL[r] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
+        *reinterpret_cast<float2*>(dstO + r * kD + dn * 8 + 2 * c) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
+      if (c == 0) dstL[r] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
+    }
+    if constexpr (KW) {  // the block's partial per row: the key warps merged in warp order
+      __syncthreads();
+      for (int i = tid; i < 16 * kD; i += kThreads) {
+        const int r = i / kD, d = i % kD;
+        float mx = kNegInf;
+#pragma unroll
+        for (int j = 0; j < NW; ++j) mx = fmaxf(mx, pL[j * 16 + r]);
+        float num = 0.f, den = 0.f;
+#pragma unroll
+        for (int j = 0; j < NW; ++j) {
+          const float lse = pL[j * 16 + r];
+          const float wgt = lse == kNegInf ? 0.f : exp2f(lse - mx);
+          den += wgt;
+          num += wgt * pO[(j * 16 + r) * kD + d];
+        }
+        sO[i] = den > 0.f ? num / den : 0.f;
+        if (d == 0) sL[r] = den > 0.f ? mx + log2f(den) : kNegInf;
+      }
     }
     cluster.sync();
     // ... and block `rank` merges dims [d0, d1) of every row over the cluster's splits, all remote loads
@@ -393,9 +436,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   }
 }
 
-template <int NW, int KT>
+template <int NW, int KT, bool KW = false>
 constexpr size_t smem_bytes() {
-  return (size_t)(16 * NW + 2 * kStages * KT) * kLd * sizeof(bf16);
+  return KW ? (size_t)(16 + NW * 2 * kStages * KT) * kLd * sizeof(bf16) : (size_t)(16 * NW + 2 * kStages * KT) * kLd * sizeof(bf16);
 }
 
 cudaLaunchAttribute cluster_attr(int cluster) {
@@ -408,36 +451,38 @@ cudaLaunchAttribute cluster_attr(int cluster) {
 }
 
 // One attribute call per instantiation (graph capture safe afterwards: the first launch is eager).
-template <int NW, int KT, bool CLU>
+template <int NW, int KT, bool CLU, bool KW = false>
 void configure() {
   static bool configured = false;
   if (configured) return;
-  auto kernel = paged_attention_kernel<NW, KT, CLU>;
-  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT>()));
+  auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
+  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT, KW>()));
   if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   configured = true;
 }
 
 // The largest decode cluster this device can hold: 16 is a non-portable size that MPS SM limits or a
-// small MIG slice may not fit. Queried once per device; 1 means no clusters (workspace merge only).
+// small MIG slice may not fit. Queried once per device and block shape; 1 means no clusters (workspace
+// merge only).
+template <int NW, bool KW>
 int max_cluster() {
   constexpr int kMaxDevices = 64;
   static int cap[kMaxDevices] = {};  // 0: not queried yet
   int dev = 0;
   OI_CUDA_CHECK(cudaGetDevice(&dev));
   if (dev < kMaxDevices && cap[dev] > 0) return cap[dev];
-  configure<1, 16, true>();
+  configure<NW, 16, true, KW>();
   int c = kAttnMaxCluster;
   for (; c > 1; c /= 2) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(1, 1, c);
-    cfg.blockDim = dim3(32);
-    cfg.dynamicSmemBytes = smem_bytes<1, 16>();
+    cfg.blockDim = dim3(NW * 32);
+    cfg.dynamicSmemBytes = smem_bytes<NW, 16, KW>();
     cudaLaunchAttribute clu = cluster_attr(c);
     cfg.attrs = &clu;
     cfg.numAttrs = 1;
     int n = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, paged_attention_kernel<1, 16, true>, &cfg);
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, paged_attention_kernel<NW, 16, true, KW>, &cfg);
     if (e == cudaSuccess && n >= 1) break;
     cudaGetLastError();  // an unsupported size: try the next smaller one
   }
@@ -445,14 +490,22 @@ int max_cluster() {
   return c;
 }
 
-template <int NW, int KT, bool CLU>
+template <int NW, int KT, bool CLU, bool KW = false>
 void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
-  static_assert(!CLU || (16 * NW + 2 * kStages * KT) * kLd * 2 >= 16 * NW * (kD + 1) * 4, "cluster merge buffer");
-  auto kernel = paged_attention_kernel<NW, KT, CLU>;
-  configure<NW, KT, CLU>();
+  static_assert(!CLU || smem_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 1) : 16 * NW * (kD + 1)) * 4,
+                "cluster merge buffer");
+  auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
+  configure<NW, KT, CLU, KW>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
-  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT>(), s, CLU ? &clu : nullptr, a,
-                              scale_log2));
+  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT, KW>(), s, CLU ? &clu : nullptr,
+                              a, scale_log2));
+}
+
+// The largest power of two up to `cap` that divides `splits`.
+int cluster_for(int splits, int cap) {
+  int cluster = 1;
+  while (cluster < cap && splits % (2 * cluster) == 0) cluster *= 2;
+  return cluster;
 }
 
 }  // namespace
@@ -460,6 +513,11 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool ea
 int& attention_cluster_cap() {
   static int cap = 0;
   return cap;
+}
+
+int& attention_key_warps() {
+  static int on = 1;
+  return on;
 }
 
 
@@ -497,14 +555,26 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   // tiles: 4B at 64 x 1k context 6.49 ms per step against 7.16 ms with 32-key tiles, five blocks per SM).
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count
   // (batch 1, 1k context: 19.0 -> 9.2 us per layer against the workspace merge).
-  int cluster = 1;
-  int cap = a.max_rows <= 16 && a.num_splits > 1 ? max_cluster() : 1;
-  if (attention_cluster_cap() > 0) cap = std::min(cap, attention_cluster_cap());
-  while (cluster < cap && a.num_splits % (2 * cluster) == 0) cluster *= 2;
+  const bool decode = a.max_rows <= 16;
+  auto capped = [](int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; };
   // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
   // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
   // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
-  const bool early = a.max_rows <= 16 && a.num_work <= kAttnMaxEarlyItems;
+  const bool early = decode && a.num_work <= kAttnMaxEarlyItems;
+  // Key warps: a quarter of the splits, each block's four warps on a quarter of its keys (where the
+  // device holds clusters; every split count of attn_num_splits from 4 up is a multiple of 4).
+  constexpr int kKeyWarps = 4;
+  if (decode && attention_key_warps() && a.num_splits % kKeyWarps == 0) {
+    const int cap = capped(max_cluster<kKeyWarps, true>());
+    if (cap > 1) {
+      AttnArgs k = a;
+      k.num_splits = a.num_splits / kKeyWarps;
+      launch<kKeyWarps, 16, true, true>(k, dim3(a.num_work, a.kv.num_kv_heads, k.num_splits),
+                                        cluster_for(k.num_splits, cap), scale_log2, early, s);
+      return;
+    }
+  }
+  const int cluster = decode && a.num_splits > 1 ? cluster_for(a.num_splits, capped(max_cluster<1, false>())) : 1;
   if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, early, s);
   else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, early, s);
   else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);

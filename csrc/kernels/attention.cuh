@@ -52,6 +52,10 @@ void paged_attention(const AttnArgs& a, cudaStream_t s);
 // Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
 int& attention_cluster_cap();
 
-constexpr int kAttnMaxEarlyItems = 8;  // decode grids of up to this many items launch early (PDL)
+constexpr int kAttnMaxEarlyItems = 8;
+
+// A/B switch (default 1): decode blocks of four warps splitting the keys (attention.cu); 0 keeps one
+// warp per block.
+int& attention_key_warps();  // decode grids of up to this many items launch early (PDL)
 
 }  // namespace oi
