@@ -27,14 +27,18 @@ CHAINS = {  # one decoder layer's projections (qkv, o, gate_up, down) and the la
 def attention(a, _engine) -> list:
     """Decode attention (4B heads: 32 query, 8 KV), one launch per layer of 36 in a graph."""
     rows = []
-    print(f"{'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
-    for case in a.attention.split(","):
-        B, ctx = (int(v) for v in case.split("x"))
-        for sp in (int(v) for v in a.splits.split(",")):
-            us, used = _engine.ops.bench_attention(B, ctx, 32, 8, 36, sp, a.reps)
-            mb = B * ctx * 8 * 128 * 2 * 2 / 1e6
-            rows.append({"batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
-            print(f"{B:5d} {ctx:6d} {used:6d} {mb:7.1f} {us:8.2f} {mb * 1e3 / us:7.0f}", flush=True)
+    print(f"{'knobs':24} {'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
+    for setting in a.knobs.split(";"):
+        for kv in (kv for kv in setting.split(",") if kv):
+            name, value = kv.split("=")
+            getattr(_engine.ops, name)(int(value))
+        for case in a.attention.split(","):
+            B, ctx = (int(v) for v in case.split("x"))
+            for sp in (int(v) for v in a.splits.split(",")):
+                us, used = _engine.ops.bench_attention(B, ctx, 32, 8, 36, sp, a.reps)
+                mb = B * ctx * 8 * 128 * 2 * 2 / 1e6
+                rows.append({"knobs": setting, "batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
+                print(f"{setting:24} {B:5d} {ctx:6d} {used:6d} {mb:7.1f} {us:8.2f} {mb * 1e3 / us:7.0f}", flush=True)
     return rows
 
 
@@ -65,6 +69,8 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
+    ap.add_argument("--knobs", default="", help="--attention: experiment switches as 'name=value,...' calls of "
+                    "_engine.ops, settings separated by ';' timed in turn (e.g. 'attention_key_warps=0;attention_key_warps=1')")
     a = ap.parse_args()
     a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")
     from openinfer import _engine
@@ -73,7 +79,8 @@ def main() -> None:
         rows = chain(a, _engine) if a.chain else attention(a, _engine)
         if a.out:
             json.dump({"command": "python bench/bench_kernels.py " + (f"--chain {a.chain} --rows {a.rows} --pdl {a.pdl}" if a.chain else
-                       f"--attention {a.attention} --splits {a.splits}"), "rows": rows}, open(a.out, "w"), indent=1)
+                       f"--attention {a.attention} --splits {a.splits} --knobs '{a.knobs}'"), "rows": rows}, open(a.out, "w"),
+                      indent=1)
         return
 
     rows = []
