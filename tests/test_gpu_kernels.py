@@ -190,25 +190,38 @@ def test_paged_attention_smaller_cluster_cap(cap):
         ops().attention_cluster_cap(0)
 
 
+@pytest.mark.parametrize("model", ["4b", "32b"])
 @pytest.mark.parametrize("case", ["decode_b1_ctx1", "decode_b1_17", "decode_b1_1000", "decode_b1_32k",
-                                  "decode_b7_mixed", "decode_multi_token_chunks"])
-def test_decode_key_warps_equal_one_warp_blocks(case):
-    """Decode blocks of four warps that split the keys (split counts from 4 up that are multiples of 4)
-    compute what one-warp blocks compute: single-cluster, multi-cluster and cluster-of-1 merges."""
-    _, _, nH, nKV = SHAPES["4b"]
-    rng = np.random.default_rng(abs(hash(case)) % 2**32)
-    args, want = _attention_case(rng, nH, nKV, ATTN_CASES[case])
+                                  "decode_b7_mixed", "decode_two_token_chunks"])
+def test_decode_key_warps_equal_one_warp_blocks(model, case):
+    """Decode blocks of four warps that split the keys (split counts that are multiples of 4) compute
+    what one-warp blocks compute, with merges in one cluster, across clusters (the workspace) and in
+    clusters of 1; 4B fills 4 of a block's 16 query rows per token, 32B 8 (16 with two tokens)."""
+    import zlib
+
+    _, _, nH, nKV = SHAPES[model]
+    group = nH // nKV
+    seqs = {"decode_two_token_chunks": [(4000, 2), (300, 1), (2000, 2)]}.get(case) or ATTN_CASES[case]
+    rng = np.random.default_rng(zlib.crc32(f"{model}/{case}".encode()))
+    args, want = _attention_case(rng, nH, nKV, seqs)
+    num_work, max_rows = len(seqs), max(n for _, n in seqs) * group  # decode items: one per sequence
+    assert max_rows <= 16
     try:
-        for splits in (4, 12, 16, 64, 0):
-            got = {}
-            for on in (1, 0):
-                ops().attention_key_warps(on)
-                out, _ = ops().paged_attention(*args, splits)
-                got[on] = f32(out).reshape(want.shape)
-                assert rel_err(got[on], want) < TOL["attention"], (splits, on)
-            assert rel_err(got[1], got[0]) < TOL["attention"] / 2, splits
+        for cap in (0, 2):  # the device's clusters, then clusters of at most 2 (several per item)
+            ops().attention_cluster_cap(cap)
+            for splits in (4, 12, 16, 48, 64, 0):
+                got = {}
+                for on in (1, 0):
+                    ops().attention_key_warps(on)
+                    out, used = ops().paged_attention(*args, splits)
+                    shape = ops().attention_launch_shape(num_work, max_rows, used)
+                    assert shape["key_warps"] == (on == 1 and used % 4 == 0), (splits, used, shape)
+                    got[on] = f32(out).reshape(want.shape)
+                    assert rel_err(got[on], want) < TOL["attention"], (cap, splits, on)
+                assert rel_err(got[1], got[0]) < TOL["attention"] / 2, (cap, splits)
     finally:
         ops().attention_key_warps(1)
+        ops().attention_cluster_cap(0)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])

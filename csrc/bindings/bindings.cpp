@@ -272,6 +272,11 @@ PYBIND11_MODULE(_engine, m) {
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
           "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
+  ops.def("attention_launch_shape", [](int num_work, int max_rows, int num_splits) {
+    const AttnLaunch l = attn_launch_shape(num_work, max_rows, num_splits);
+    return py::dict(py::arg("key_warps") = l.key_warps, py::arg("early") = l.early, py::arg("splits") = l.splits,
+                    py::arg("cluster") = l.cluster);
+  }, "how paged_attention launches for these counts: key_warps, early, splits (launched), cluster");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
@@ -519,7 +524,7 @@ PYBIND11_MODULE(_engine, m) {
         paged_attention(a, st);
       }
     }, reps);
-    return py::make_tuple(us / layers, num_splits);
+    return py::make_tuple(us / layers, attn_launch_shape(B, a.max_rows, num_splits).splits);
   });
   ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
                        const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,

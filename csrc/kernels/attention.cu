@@ -60,6 +60,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 template <int NW, int KT, bool CLU, bool KW>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
   static_assert(!KW || CLU, "key warps merge through the cluster path");
+  static_assert(!KW || (KT == 16 && kAttnChunkAlign % (NW * 16) == 0), "key-warp ranges start on whole pages");
   constexpr int kRows = KW ? 16 : 16 * NW, kThreads = NW * 32, kNT = KT / 8;
   // Tile loaders: the whole block (row warps share tiles) or each warp alone (key warps).
   constexpr int kLoaders = KW ? 32 : kThreads;
@@ -148,8 +149,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   }
   // This thread's two rows (g and g + 8 of the warp): -1 masks every key (rows past the item).
   int pos[2];
-#pragma unroll
   const int wrow = KW ? 0 : warp * 16;  // the warp's first query row
+#pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int r = wrow + g + 8 * h2;
     pos[h2] = r < rows ? a.positions[w.tok_start + r / group] : -1;
@@ -521,6 +522,30 @@ int& attention_key_warps() {
 }
 
 
+AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits) {
+  AttnLaunch l{};
+  const bool decode = max_rows <= 16;
+  auto capped = [](int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; };
+  // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
+  // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
+  // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
+  l.early = decode && num_work <= kAttnMaxEarlyItems;
+  // Key warps: a quarter of the splits, each block's warps on a quarter of its keys (where the device
+  // holds clusters; every split count of attn_num_splits from 4 up is a multiple of 4).
+  if (decode && attention_key_warps() && num_splits % kAttnKeyWarps == 0) {
+    const int cap = capped(max_cluster<kAttnKeyWarps, true>());
+    if (cap > 1) {
+      l.key_warps = true;
+      l.splits = num_splits / kAttnKeyWarps;
+      l.cluster = cluster_for(l.splits, cap);
+      return l;
+    }
+  }
+  l.splits = num_splits;
+  l.cluster = decode && num_splits > 1 ? cluster_for(num_splits, capped(max_cluster<1, false>())) : 1;
+  return l;
+}
+
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
@@ -555,30 +580,21 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   // tiles: 4B at 64 x 1k context 6.49 ms per step against 7.16 ms with 32-key tiles, five blocks per SM).
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count
   // (batch 1, 1k context: 19.0 -> 9.2 us per layer against the workspace merge).
-  const bool decode = a.max_rows <= 16;
-  auto capped = [](int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; };
-  // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
-  // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
-  // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
-  const bool early = decode && a.num_work <= kAttnMaxEarlyItems;
-  // Key warps: a quarter of the splits, each block's four warps on a quarter of its keys (where the
-  // device holds clusters; every split count of attn_num_splits from 4 up is a multiple of 4).
-  constexpr int kKeyWarps = 4;
-  if (decode && attention_key_warps() && a.num_splits % kKeyWarps == 0) {
-    const int cap = capped(max_cluster<kKeyWarps, true>());
-    if (cap > 1) {
-      AttnArgs k = a;
-      k.num_splits = a.num_splits / kKeyWarps;
-      launch<kKeyWarps, 16, true, true>(k, dim3(a.num_work, a.kv.num_kv_heads, k.num_splits),
-                                        cluster_for(k.num_splits, cap), scale_log2, early, s);
-      return;
-    }
+  const AttnLaunch l = attn_launch_shape(a.num_work, a.max_rows, a.num_splits);
+  if (l.key_warps) {
+    AttnArgs k = a;
+    k.num_splits = l.splits;
+    launch<kAttnKeyWarps, 16, true, true>(k, dim3(a.num_work, a.kv.num_kv_heads, l.splits), l.cluster, scale_log2,
+                                          l.early, s);
+  } else if (a.max_rows <= 16 && l.cluster > 1) {
+    launch<1, 16, true>(a, grid, l.cluster, scale_log2, l.early, s);
+  } else if (a.max_rows <= 16) {
+    launch<1, 16, false>(a, grid, 1, scale_log2, l.early, s);
+  } else if (a.max_rows <= 32) {
+    launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
+  } else {
+    launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
   }
-  const int cluster = decode && a.num_splits > 1 ? cluster_for(a.num_splits, capped(max_cluster<1, false>())) : 1;
-  if (a.max_rows <= 16 && cluster > 1) launch<1, 16, true>(a, grid, cluster, scale_log2, early, s);
-  else if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, early, s);
-  else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
-  else launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
 }
 
 }  // namespace oi

@@ -52,10 +52,19 @@ void paged_attention(const AttnArgs& a, cudaStream_t s);
 // Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
 int& attention_cluster_cap();
 
-constexpr int kAttnMaxEarlyItems = 8;
+constexpr int kAttnMaxEarlyItems = 8;  // decode grids of up to this many items launch early (PDL)
+constexpr int kAttnKeyWarps = 4;       // warps of a decode block that split its keys
 
-// A/B switch (default 1): decode blocks of four warps splitting the keys (attention.cu); 0 keeps one
-// warp per block.
-int& attention_key_warps();  // decode grids of up to this many items launch early (PDL)
+// A/B switch (default 1): decode blocks of kAttnKeyWarps warps splitting the keys (attention.cu); 0
+// keeps one warp per block.
+int& attention_key_warps();
+
+// How paged_attention launches: key-warp blocks or not, the split count launched (a quarter of
+// num_splits with key warps), the cluster size, early (PDL) or not. Tests and benchmarks read it.
+struct AttnLaunch {
+  bool key_warps, early;
+  int splits, cluster;
+};
+AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits);
 
 }  // namespace oi
