@@ -462,7 +462,6 @@ int& attention_cluster_cap() {
   return cap;
 }
 
-
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
