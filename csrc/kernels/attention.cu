@@ -521,7 +521,6 @@ int& attention_key_warps() {
   return on;
 }
 
-
 AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits) {
   AttnLaunch l{};
   const bool decode = max_rows <= 16;
