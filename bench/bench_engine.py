@@ -130,12 +130,15 @@ def main() -> None:
     ap.add_argument("--prefill-len", type=int, default=1024)
     ap.add_argument("--knobs", default="", help="experiment switches set before the engine is made, as "
                     "'name=value,...' calls of _engine.ops; settings separated by ';' run in turn in this process "
-                    "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4'); a knob keeps its value until a later "
-                    "setting sets it again")
+                    "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4'); every setting names the same knobs, "
+                    "since a knob keeps its value until it is set again")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
+    named = [sorted(kv.split("=")[0] for kv in setting.split(",") if kv) for setting in a.knobs.split(";")]
+    if any(n != named[0] for n in named):
+        ap.error(f"--knobs: every setting must name the same knobs (a knob left out would keep the last value): {named}")
     rows = []
     for preset in a.preset.split(","):
         from openinfer import _engine

@@ -272,6 +272,8 @@ PYBIND11_MODULE(_engine, m) {
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
           "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
+  ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },
+          "profiling only, wrong outputs: skip q/k norm + RoPE + KV write (1) and/or attention (2) in every layer");
   ops.def("attention_launch_shape", [](int num_work, int max_rows, int num_splits) {
     const AttnLaunch l = attn_launch_shape(num_work, max_rows, num_splits);
     return py::dict(py::arg("key_warps") = l.key_warps, py::arg("early") = l.early, py::arg("splits") = l.splits,
@@ -450,7 +452,9 @@ PYBIND11_MODULE(_engine, m) {
             cudaDeviceProp prop{};
             OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
             const int max_split_rows = 1 << 16;
-            if (num_splits <= 0) num_splits = attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T, prop.multiProcessorCount, max_split_rows);
+            if (num_splits <= 0)
+              num_splits = attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T, prop.multiProcessorCount,
+                                           max_split_rows, max_rows);
             Dev dq(qkv), dc(cache), dbt(block_tables), dpos(positions), dctx(context_lens);
             Dev dwork(work.size() * sizeof(AttnWork)), dout((size_t)T * num_heads * D * 2);
             Dev dwo((size_t)num_splits * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
@@ -504,7 +508,8 @@ PYBIND11_MODULE(_engine, m) {
     OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
     const int max_split_rows = 1 << 16;
     if (num_splits <= 0)
-      num_splits = attn_num_splits(B, num_kv_heads, ctx, B, prop.multiProcessorCount, max_split_rows);
+      num_splits = attn_num_splits(B, num_kv_heads, ctx, B, prop.multiProcessorCount, max_split_rows,
+                                   num_heads / num_kv_heads);
     Dev dbt(bt.size() * 4), dpos((size_t)B * 4), dlen((size_t)B * 4), dwork(work.size() * sizeof(AttnWork));
     Dev dwo((size_t)num_splits * B * num_heads * D * 4), dwl((size_t)num_splits * B * num_heads * 4), dcnt((size_t)B * num_kv_heads * 4);
     OI_CUDA_CHECK(cudaMemcpy(dbt.p, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));

@@ -297,7 +297,7 @@ StepMeta Engine::graph_meta(int batch) const {
   m.bt_stride = graph_bt_stride_;
   m.max_rows = group;
   // One split count for every context a graph may see: sized for the longest (short ones leave splits empty).
-  m.num_splits = attn_num_splits(batch, d_.kv_heads, graph_splits_max_ctx_, batch, num_sms_, max_split_rows_);
+  m.num_splits = attn_num_splits(batch, d_.kv_heads, graph_splits_max_ctx_, batch, num_sms_, max_split_rows_, group);
   m.num_logprobs = 0;
   char* d = graph_dev_;
   m.ids = (const int32_t*)(d + ga_.ids);
@@ -549,7 +549,7 @@ Engine::Pending Engine::enqueue(const HostStep& in, const Checked& c, bf16* kv_c
   const std::vector<AttnWork>& work = c.work;
   const int max_ctx = c.max_ctx, max_rows = c.max_rows;
   const std::vector<int32_t>& sample_pos = c.sample_pos;
-  const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_);
+  const int splits = attn_num_splits((int)work.size(), d_.kv_heads, max_ctx, T, num_sms_, max_split_rows_, max_rows);
   const int slot = meta_slot_;
   for (const Pending& p : pending_)
     OI_CHECK(p.graph || p.slot != slot, "staging slot " << slot << " is still in flight");

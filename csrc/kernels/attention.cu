@@ -286,22 +286,33 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       if (c == 0) dstL[r] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
     }
     if constexpr (KW) {  // the block's partial per row: the key warps merged in warp order
+      // Each row's warp weights once (one thread per row), then the weighted sums, several elements per
+      // thread in flight (the per-element softmax over all 16 rows cost ~5 us of a ~11 us launch).
+      float* pW = pL + NW * 16;  // [NW][16]
       __syncthreads();
-      for (int i = tid; i < 16 * kD; i += kThreads) {
-        const int r = i / kD, d = i % kD;
-        float mx = kNegInf;
+      if (tid < rows) {
+        float mx = kNegInf, wgt[NW], den = 0.f;
 #pragma unroll
-        for (int j = 0; j < NW; ++j) mx = fmaxf(mx, pL[j * 16 + r]);
-        float num = 0.f, den = 0.f;
+        for (int j = 0; j < NW; ++j) mx = fmaxf(mx, pL[j * 16 + tid]);
 #pragma unroll
         for (int j = 0; j < NW; ++j) {
-          const float lse = pL[j * 16 + r];
-          const float wgt = lse == kNegInf ? 0.f : exp2f(lse - mx);
-          den += wgt;
-          num += wgt * pO[(j * 16 + r) * kD + d];
+          const float lse = pL[j * 16 + tid];
+          wgt[j] = lse == kNegInf ? 0.f : exp2f(lse - mx);
+          den += wgt[j];
         }
-        sO[i] = den > 0.f ? num / den : 0.f;
-        if (d == 0) sL[r] = den > 0.f ? mx + log2f(den) : kNegInf;
+        const float inv = den > 0.f ? 1.f / den : 0.f;
+#pragma unroll
+        for (int j = 0; j < NW; ++j) pW[j * 16 + tid] = wgt[j] * inv;
+        sL[tid] = den > 0.f ? mx + log2f(den) : kNegInf;
+      }
+      __syncthreads();
+#pragma unroll 4
+      for (int i = tid; i < rows * kD; i += kThreads) {
+        const int r = i / kD, d = i % kD;
+        float v = 0.f;
+#pragma unroll
+        for (int j = 0; j < NW; ++j) v += pW[j * 16 + r] * pO[(j * 16 + r) * kD + d];
+        sO[i] = v;
       }
     }
     cluster.sync();
@@ -493,7 +504,7 @@ int max_cluster() {
 
 template <int NW, int KT, bool CLU, bool KW = false>
 void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
-  static_assert(!CLU || smem_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 1) : 16 * NW * (kD + 1)) * 4,
+  static_assert(!CLU || smem_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 2) : 16 * NW * (kD + 1)) * 4,
                 "cluster merge buffer");
   auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
   configure<NW, KT, CLU, KW>();
@@ -521,31 +532,37 @@ int& attention_key_warps() {
   return on;
 }
 
+namespace {
+int capped(int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; }
+
+// Decode rows on a device that holds key-warp clusters, with the switch on.
+bool key_warps_apply(int max_rows) {
+  return max_rows <= 16 && attention_key_warps() && capped(max_cluster<kAttnKeyWarps, true>()) > 1;
+}
+}  // namespace
+
 AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits) {
   AttnLaunch l{};
   const bool decode = max_rows <= 16;
-  auto capped = [](int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; };
   // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
   // previous kernel runs piles onto the SMs it leaves free (launch.cuh). 4B batch 1: 3.00 -> 2.95 ms
   // wall per step, 8B 4.66 -> 4.56 (docs/benchmarks.md).
   l.early = decode && num_work <= kAttnMaxEarlyItems;
   // Key warps: a quarter of the splits, each block's warps on a quarter of its keys (where the device
   // holds clusters; every split count of attn_num_splits from 4 up is a multiple of 4).
-  if (decode && attention_key_warps() && num_splits % kAttnKeyWarps == 0) {
-    const int cap = capped(max_cluster<kAttnKeyWarps, true>());
-    if (cap > 1) {
-      l.key_warps = true;
-      l.splits = num_splits / kAttnKeyWarps;
-      l.cluster = cluster_for(l.splits, cap);
-      return l;
-    }
+  if (key_warps_apply(max_rows) && num_splits % kAttnKeyWarps == 0) {
+    l.key_warps = true;
+    l.splits = num_splits / kAttnKeyWarps;
+    l.cluster = cluster_for(l.splits, capped(max_cluster<kAttnKeyWarps, true>()));
+    return l;
   }
   l.splits = num_splits;
   l.cluster = decode && num_splits > 1 ? cluster_for(num_splits, capped(max_cluster<1, false>())) : 1;
   return l;
 }
 
-int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
+int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
+                    int max_rows) {
   const int blocks = std::max(1, num_work * num_kv_heads);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
   // took 9.2 us for batch 1 with 128 blocks and 9.6 with 256; 18.8 us for batch 8 with 512 blocks, 22.7
@@ -553,7 +570,10 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   const int target = 4 * num_sms;
   if (blocks * 2 > target || num_tokens <= 0) return 1;
   int splits = target / blocks;
-  splits = std::min(splits, std::max(1, max_context / kAttnChunkAlign));
+  // A split covers whole aligned chunks; with key warps a block's chunk is cut four ways, so each
+  // warp's range may be as short as one 16-key tile.
+  const int align = key_warps_apply(max_rows) ? kAttnChunkAlign / kAttnKeyWarps : kAttnChunkAlign;
+  splits = std::min(splits, std::max(1, max_context / align));
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
   splits = std::max(1, std::min(splits, kAttnMaxSplits));
   // Whole decode clusters: a power of two up to 16 splits, a multiple of 16 above.

@@ -45,7 +45,9 @@ constexpr int kAttnMaxCluster = 16;       // decode splits merged through distri
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }
 
 // How many key splits fill the GPU for this launch (1 when the grid is already large).
-int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows);
+// `max_rows` as in AttnArgs (decode rows may take key-warp splits of 16 keys).
+int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
+                    int max_rows);
 
 void paged_attention(const AttnArgs& a, cudaStream_t s);
 

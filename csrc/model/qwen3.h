@@ -52,6 +52,10 @@ struct StepMeta {
   float *out_logprobs, *out_top_logprobs;
 };
 
+// Profiling only (outputs are wrong while set): bit 0 skips the q/k norm + RoPE + KV write, bit 1 the
+// attention, so a benchmark can read their share of a step.
+int& model_skip_kernels();
+
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s);
 
