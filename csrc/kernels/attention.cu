@@ -43,6 +43,20 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+template <int NW, int KT, bool KW = false>
+constexpr size_t smem_main_bytes() {  // Q rows and the K/V stages (reused by the merges after the key loop)
+  return KW ? (size_t)(16 + NW * 2 * kStages * KT) * kLd * sizeof(bf16) : (size_t)(16 * NW + 2 * kStages * KT) * kLd * sizeof(bf16);
+}
+// Cluster decode blocks receive the other splits' partials of their slice of dims in an area of their own
+// (the others may write it while this block still streams keys): 16 rows x kD floats, and C x 16 lse.
+constexpr size_t kRecvBytes = (16 * kD + kAttnMaxCluster * 16) * sizeof(float);
+template <int NW, int KT, bool CLU, bool KW = false>
+constexpr size_t smem_bytes() { return smem_main_bytes<NW, KT, KW>() + (CLU ? kRecvBytes : 0); }
+
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_arrive_release() { asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory"); }
+
 // A block serves one work item x one KV head x one key split. Each warp owns 16 query rows
 // (row r = token r / group, head r % group of this KV head); all warps share every K/V tile of KT keys.
 // Scores and P.V run on tensor cores (m16n8k16); softmax is online, in the log2 domain.
@@ -91,6 +105,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     pdl_wait();            // an early grid finishes only after its predecessor (launch.cuh)
     return;
   }
+  // Every block of the cluster has started once this barrier completes (waited on before the first
+  // remote store); arriving now costs nothing.
+  if constexpr (CLU) cluster_arrive_relaxed();
   const bool direct = !CLU && used == 1;
   const int lo = split * chunk;
   const int hi = min(lo + chunk, kv_end);
@@ -315,18 +332,31 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         sO[i] = v;
       }
     }
-    cluster.sync();
-    // ... and block `rank` merges dims [d0, d1) of every row over the cluster's splits, all remote loads
-    // of a round in flight together, in split order.
-    const int rank = split % C, nsub = min(C, used - cidx * C);
-    const int d0 = rank * kD / C, nd = (rank + 1) * kD / C - d0;
+    __syncthreads();  // the block's partial is in sO / sL
+    // ... then block `rank` merges dims [rank * nd, +nd) of every row over the cluster's splits. Each block
+    // pushes that slice of its partial and its log-sum-exps into block rank's receive area (remote stores,
+    // no round trip), and one barrier later every block merges from its own shared memory, in split
+    // order. (Merging by remote loads took two cluster barriers, the second to keep the shared memory
+    // alive until every remote read had finished.)
+    float* rO = reinterpret_cast<float*>(smem_raw + smem_main_bytes<NW, KT, KW>());  // [C][16][nd]
+    float* rL = rO + 16 * kD;                                                        // [C][16]
+    const int rank = split % C, nsub = min(C, used - cidx * C), nd = kD / C;
+    cluster_wait_acquire();  // the arrive at the start: every block of the cluster is running
+    for (int i = tid; i < rows * (kD / 4); i += kThreads) {
+      const int r = i / (kD / 4), d = (i % (kD / 4)) * 4;
+      *reinterpret_cast<float4*>(cluster.map_shared_rank(rO, d / nd) + (rank * 16 + r) * nd + d % nd) =
+          *reinterpret_cast<const float4*>(sO + r * kD + d);
+    }
+    for (int i = tid; i < rows * C; i += kThreads) cluster.map_shared_rank(rL, i / rows)[rank * 16 + i % rows] = sL[i % rows];
+    cluster_arrive_release();
+    cluster_wait_acquire();
     for (int i = tid; i < rows * nd; i += kThreads) {
-      const int r = i / nd, d = d0 + i % nd;
+      const int r = i / nd, dd = i % nd, d = rank * nd + dd;
       float lse[kAttnMaxCluster], val[kAttnMaxCluster];
 #pragma unroll
       for (int j = 0; j < kAttnMaxCluster; ++j) {
-        lse[j] = j < nsub ? cluster.map_shared_rank(sL, j)[r] : kNegInf;
-        val[j] = j < nsub ? cluster.map_shared_rank(sO, j)[r * kD + d] : 0.f;
+        lse[j] = j < nsub ? rL[j * 16 + r] : kNegInf;
+        val[j] = j < nsub ? rO[(j * 16 + r) * nd + dd] : 0.f;
       }
       float mx = kNegInf;
 #pragma unroll
@@ -346,7 +376,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         if (rank == 0 && d == 0) a.ws_lse[(int64_t)cidx * split_stride + row_index(r)] = den > 0.f ? mx + log2f(den) : kNegInf;
       }
     }
-    cluster.sync();  // the other blocks' shared memory stays alive until every remote read is done
     if (parts == 1) return;
   }
 #pragma unroll
@@ -448,11 +477,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   }
 }
 
-template <int NW, int KT, bool KW = false>
-constexpr size_t smem_bytes() {
-  return KW ? (size_t)(16 + NW * 2 * kStages * KT) * kLd * sizeof(bf16) : (size_t)(16 * NW + 2 * kStages * KT) * kLd * sizeof(bf16);
-}
-
 cudaLaunchAttribute cluster_attr(int cluster) {
   cudaLaunchAttribute clu{};
   clu.id = cudaLaunchAttributeClusterDimension;
@@ -468,7 +492,7 @@ void configure() {
   static bool configured = false;
   if (configured) return;
   auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
-  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT, KW>()));
+  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT, CLU, KW>()));
   if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   configured = true;
 }
@@ -489,7 +513,7 @@ int max_cluster() {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(1, 1, c);
     cfg.blockDim = dim3(NW * 32);
-    cfg.dynamicSmemBytes = smem_bytes<NW, 16, KW>();
+    cfg.dynamicSmemBytes = smem_bytes<NW, 16, true, KW>();
     cudaLaunchAttribute clu = cluster_attr(c);
     cfg.attrs = &clu;
     cfg.numAttrs = 1;
@@ -504,12 +528,12 @@ int max_cluster() {
 
 template <int NW, int KT, bool CLU, bool KW = false>
 void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
-  static_assert(!CLU || smem_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 2) : 16 * NW * (kD + 1)) * 4,
+  static_assert(!CLU || smem_main_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 2) : 16 * NW * (kD + 1)) * 4,
                 "cluster merge buffer");
   auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
   configure<NW, KT, CLU, KW>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
-  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT, KW>(), s, CLU ? &clu : nullptr,
+  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT, CLU, KW>(), s, CLU ? &clu : nullptr,
                               a, scale_log2));
 }
 
