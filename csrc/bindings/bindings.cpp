@@ -279,8 +279,6 @@ PYBIND11_MODULE(_engine, m) {
     return py::dict(py::arg("key_warps") = l.key_warps, py::arg("early") = l.early, py::arg("splits") = l.splits,
                     py::arg("cluster") = l.cluster);
   }, "how paged_attention launches for these counts: key_warps, early, splits (launched), cluster");
-  ops.def("gemv_l2_second_round", [](int on) { gemv_l2_second_round() = on != 0; },
-          "GEMV blocks ask L2 for their second round of weights before waiting on the previous kernel (1, default)");
   ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
           "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
   ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {

@@ -24,7 +24,7 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 // round goes out while the previous kernel is still running. (A bulk L2 prefetch of the next tile on
 // top measured slower: docs/benchmarks.md.)
 template <int MT, int IN, int OUT>
-__global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles, int l2_next) {
+__global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input, then [K] norm weight
   __shared__ float red[MT][kWarps];
@@ -54,19 +54,6 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
   // The weights do not depend on the previous kernel: they go out first.
   int tile = blockIdx.x;
   if (tile < tiles) issue(tile, c0);
-  // The wait below can be long (the previous kernel's tail, then its input to stage and normalize), with
-  // only the first round in flight: the second round's weights go to L2 meanwhile, one 128-byte line a
-  // lane (the next chunks of this slice, or this slice of the next tile).
-  if (l2_next && tile < tiles) {
-    const bool same = c0 + kL < c1;
-    const int t2 = same ? tile : tile + gridDim.x, cb = same ? c0 + kL : c0;
-    const int n_chunks = min(c1, cb + kL) - cb;
-    if (t2 < tiles && row_ok(t2)) {
-      const char* base = reinterpret_cast<const char*>(a.W + (int64_t)row_of(t2) * K + (int64_t)cb * kChunk);
-      for (int off = lane * 128; off < n_chunks * kChunk * (int)sizeof(bf16); off += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(base + off));
-    }
-  }
   pdl_wait();  // the input (and, for a residual add, y) come from earlier kernels
   pdl_trigger();
   bf16* snw = sx + MT * K;  // [K] norm weight
@@ -214,8 +201,7 @@ void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s)
   const int tiles = (rows + per_tile - 1) / per_tile;
   const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
   OI_CUDA_CHECK(
-      launch_kernel(true, gemv_kernel<MT, IN, OUT>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles,
-                    gemv_l2_second_round()));
+      launch_kernel(true, gemv_kernel<MT, IN, OUT>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
 }
 
 template <int MT>
@@ -230,11 +216,6 @@ void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, in
 }
 
 }  // namespace
-
-int& gemv_l2_second_round() {
-  static int on = 1;
-  return on;
-}
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;

@@ -28,8 +28,4 @@ constexpr int kGemvMaxRows = 2;
 // staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
-// A/B switch (default 1): before its wait on the previous kernel, a GEMV block also asks L2 for the
-// weights of its second round (gemv.cu).
-int& gemv_l2_second_round();
-
 }  // namespace oi
