@@ -39,12 +39,18 @@ def model_dir(preset: str) -> Path:
     return d
 
 
+# Sampling per row: greedy, or the Qwen3 releases' generation_config.json defaults (what the server
+# applies when a request leaves them out): temperature, top_p, top_k.
+SAMPLING = {"greedy": (0.0, 1.0, 0), "qwen": (0.6, 0.95, 20)}
+
+
 class Runner:
-    def __init__(self, backend, vocab: int, seed: int = 0):
+    def __init__(self, backend, vocab: int, seed: int = 0, sampling: str = "greedy"):
         self.b = backend
         self.rng = np.random.default_rng(seed)
         self.vocab = vocab
         self.next_block = 1
+        self.sampling = SAMPLING[sampling]
 
     def alloc(self, n_tokens: int) -> list[int]:
         n = -(-n_tokens // 16)
@@ -69,21 +75,24 @@ class Runner:
             ctx.append(p0 + n)
             sample.append(qsl[-1] - 1)
         S = len(sample)
+        temp, top_p, top_k = self.sampling
         t0 = time.perf_counter()
         self.b.step(np.concatenate(ids), np.concatenate(pos), np.array(qsl, np.int32), np.array(ctx, np.int32), bt,
-                    np.concatenate(slots).astype(np.int32), np.array(sample, np.int32), np.zeros(S, np.float32),
-                    np.ones(S, np.float32), np.zeros(S, np.int32), np.zeros(S, np.uint64))
+                    np.concatenate(slots).astype(np.int32), np.array(sample, np.int32),
+                    np.full(S, temp, np.float32), np.full(S, top_p, np.float32), np.full(S, top_k, np.int32),
+                    np.arange(S, dtype=np.uint64))
         return (time.perf_counter() - t0) * 1e3, self.b.last_gpu_ms
 
 
-def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str) -> list[dict]:
+def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str,
+                 sampling: str = "greedy") -> list[dict]:
     import openinfer
 
     t0 = time.perf_counter()
     eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
                            max_model_len=max(ctx + steps + 16, prefill_len + 16), pdl=pdl != "0")
     init_s = time.perf_counter() - t0
-    r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size)
+    r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size, sampling=sampling)
     rows = []
     # prefill: one prompt of prefill_len tokens, one step
     blocks = r.alloc(prefill_len)
@@ -107,7 +116,8 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
             if i >= 3:  # warm-up
                 walls.append(w)
                 gpus.append(g)
-        row = {"preset": preset, "pdl": pdl, "what": "decode", "batch": B, "ctx": ctx, "steps": len(walls),
+        row = {"preset": preset, "pdl": pdl, "what": "decode", "sampling": sampling, "batch": B, "ctx": ctx,
+               "steps": len(walls),
                "wall_ms_median": statistics.median(walls), "gpu_ms_median": statistics.median(gpus),
                "wall_ms_p90": float(np.percentile(walls, 90))}
         row["cpu_overhead_ms"] = row["wall_ms_median"] - row["gpu_ms_median"]
@@ -132,6 +142,8 @@ def main() -> None:
                     "'name=value,...' calls of _engine.ops; settings separated by ';' run in turn in this process "
                     "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4'); every setting names the same knobs, "
                     "since a knob keeps its value until it is set again")
+    ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING),
+                    help="greedy, or qwen: temperature 0.6, top_p 0.95, top_k 20 (the releases' defaults)")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
@@ -147,7 +159,7 @@ def main() -> None:
                 name, value = kv.split("=")
                 getattr(_engine.ops, name)(int(value))
             for pdl in a.pdl.split(","):
-                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl)
+                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl, a.sampling)
                 for r in got:
                     r["knobs"] = setting
                 rows += got

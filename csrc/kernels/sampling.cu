@@ -8,6 +8,7 @@ namespace oi {
 namespace {
 
 constexpr int kThreads = 1024;
+constexpr int kMaxCandidates = kThreads;  // top-k survivors gathered in shared memory (one per thread)
 
 __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
   const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + (uint64_t)(pos + 1) * 0xD1B54A32D192ED03ull + (uint64_t)i);
@@ -58,18 +59,19 @@ __device__ float block_sum(float v, float* red) {
   return v;
 }
 
-// Radix select over float keys, 8 bits a pass. By count (kth largest key) or by mass (largest key K such
-// that the weights of keys >= K reach `target`). Only keys >= floor_key take part.
-template <bool kMass>
-__device__ uint32_t radix_select(const float* l, int V, uint32_t floor_key, float target, float mx, float inv_t,
+// Radix select over float keys, 8 bits a pass, over n values get(0..n-1). By count (kth largest key)
+// or by mass (largest key K such that the weights of keys >= K reach `target`). Only keys >= floor_key
+// take part.
+template <bool kMass, class Get>
+__device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float target, float mx, float inv_t,
                                  float* hist, uint32_t* shared_prefix, float* shared_rem) {
   uint32_t prefix = 0, mask = 0;
   float rem = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0.f;
     __syncthreads();
-    for (int i = threadIdx.x; i < V; i += kThreads) {
-      const float v = l[i];
+    for (int i = threadIdx.x; i < n; i += kThreads) {
+      const float v = get(i);
       const uint32_t k = fkey(v);
       if ((k & mask) == prefix && k >= floor_key)
         atomicAdd(&hist[(k >> shift) & 255u], kMass ? __expf((v - mx) * inv_t) : 1.f);
@@ -99,47 +101,98 @@ __device__ uint32_t radix_select(const float* l, int V, uint32_t floor_key, floa
   return prefix;
 }
 
+// Top-p and the draw over the tokens kept so far (keys >= floor_key) among n of them: value get(j),
+// token id id(j). Returns the drawn token.
+template <class Get, class Id>
+__device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, float mx, float inv_t, uint64_t seed,
+                            int pos, ArgMax* red, float* fred, float* hist, uint32_t* sprefix, float* srem) {
+  if (p < 1.f) {
+    float z = 0.f;
+    for (int j = threadIdx.x; j < n; j += kThreads) {
+      const float v = get(j);
+      if (fkey(v) >= floor_key) z += __expf((v - mx) * inv_t);
+    }
+    z = block_sum(z, fred);
+    floor_key = radix_select<true>(get, n, floor_key, p * z, mx, inv_t, hist, sprefix, srem);
+  }
+  ArgMax draw{-INFINITY, 0x7fffffff};
+  for (int j = threadIdx.x; j < n; j += kThreads) {
+    const float v = get(j);
+    const int i = id(j);
+    if (fkey(v) >= floor_key) draw = better(draw, ArgMax{v * inv_t + gumbel(seed, pos, i), i});
+  }
+  return block_argmax(draw, red).i;
+}
+
 __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
   __shared__ ArgMax red[32];
   __shared__ float fred[32];
   __shared__ float hist[256];
   __shared__ uint32_t sprefix;
   __shared__ float srem;
+  __shared__ float cand_v[kMaxCandidates];
+  __shared__ int cand_i[kMaxCandidates];
+  __shared__ int s_count;
   pdl_wait();  // the logits come from the lm_head
   pdl_trigger();
   const int row = blockIdx.x;
   const float* l = a.logits + (int64_t)row * a.vocab;
   const int V = a.vocab;
 
+  // One pass for the argmax and the log-sum-exp: each thread keeps its sum relative to its own running
+  // maximum, rescaled when the maximum moves (ties keep the first, lowest id).
   ArgMax best{-INFINITY, 0x7fffffff};
-  for (int i = threadIdx.x; i < V; i += kThreads) best = better(best, ArgMax{l[i], i});
+  float se = 0.f;
+  for (int i = threadIdx.x; i < V; i += kThreads) {
+    const float v = l[i];
+    if (v > best.v) {
+      se = se * __expf(best.v - v) + 1.f;
+      best = ArgMax{v, i};
+    } else if (v > -INFINITY) {
+      se += __expf(v - best.v);
+    }
+  }
+  const float m_t = best.v;
   best = block_argmax(best, red);
   const float mx = best.v;
-  float se = 0.f;
-  for (int i = threadIdx.x; i < V; i += kThreads) se += __expf(l[i] - mx);
-  const float lse = mx + logf(block_sum(se, fred));
+  const float lse = mx + logf(block_sum(m_t > -INFINITY ? se * __expf(m_t - mx) : 0.f, fred));
 
   int token = best.i;
   const float temp = a.temperature[row];
   if (temp > 0.f) {
     const float inv_t = 1.f / temp;
     const int k = a.top_k[row];
-    uint32_t floor_key = 0;
-    if (k > 0 && k < V) floor_key = radix_select<false>(l, V, 0, (float)k, mx, inv_t, hist, &sprefix, &srem);
     const float p = a.top_p[row];
-    if (p < 1.f) {
-      float z = 0.f;
-      for (int i = threadIdx.x; i < V; i += kThreads)
-        if (fkey(l[i]) >= floor_key) z += __expf((l[i] - mx) * inv_t);
-      z = block_sum(z, fred);
-      floor_key = radix_select<true>(l, V, floor_key, p * z, mx, inv_t, hist, &sprefix, &srem);
-    }
     const uint64_t seed = a.seeds[row];
     const int pos = a.positions[row];
-    ArgMax draw{-INFINITY, 0x7fffffff};
-    for (int i = threadIdx.x; i < V; i += kThreads)
-      if (fkey(l[i]) >= floor_key) draw = better(draw, ArgMax{l[i] * inv_t + gumbel(seed, pos, i), i});
-    token = block_argmax(draw, red).i;
+    auto vocab_v = [l](int i) { return l[i]; };
+    auto vocab_id = [](int i) { return i; };
+    if (k > 0 && k < V) {
+      const uint32_t floor_key = radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, hist, &sprefix, &srem);
+      // A small top-k keeps k tokens (and any ties at the floor): gathered into shared memory, the top-p
+      // select and the draw read them instead of the whole vocabulary (six passes over it fewer).
+      if (threadIdx.x == 0) s_count = 0;
+      __syncthreads();
+      for (int i = threadIdx.x; i < V; i += kThreads) {
+        const float v = l[i];
+        if (fkey(v) >= floor_key) {
+          const int c = atomicAdd(&s_count, 1);
+          if (c < kMaxCandidates) {
+            cand_v[c] = v;
+            cand_i[c] = i;
+          }
+        }
+      }
+      __syncthreads();
+      const int n = s_count;
+      if (n <= kMaxCandidates)
+        token = nucleus_draw([](int j) { return cand_v[j]; }, [](int j) { return cand_i[j]; }, n, floor_key, p, mx,
+                             inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+      else
+        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+    } else {
+      token = nucleus_draw(vocab_v, vocab_id, V, 0, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+    }
   }
   if (threadIdx.x == 0) {
     a.tokens[row] = token;
