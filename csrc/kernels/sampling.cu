@@ -8,6 +8,7 @@ namespace oi {
 namespace {
 
 constexpr int kThreads = 1024;
+constexpr int kWarpsPerBlock = kThreads / 32;
 constexpr int kMaxCandidates = kThreads;  // top-k survivors gathered in shared memory (one per thread)
 
 __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
@@ -61,20 +62,37 @@ __device__ float block_sum(float v, float* red) {
 
 // Radix select over float keys, 8 bits a pass, over n values get(0..n-1). By count (kth largest key)
 // or by mass (largest key K such that the weights of keys >= K reach `target`). Only keys >= floor_key
-// take part.
+// take part. Each warp counts into its own histogram, lanes with the same bin adding once (logits
+// crowd into a few bins of the top bytes: one block-wide histogram serialized ~150k atomics on them,
+// ~1 ms per batch-1 step at the releases' defaults); the warps' histograms are then summed in order.
 template <bool kMass, class Get>
 __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float target, float mx, float inv_t,
-                                 float* hist, uint32_t* shared_prefix, float* shared_rem) {
+                                 float (*whist)[256], float* hist, uint32_t* shared_prefix, float* shared_rem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint32_t prefix = 0, mask = 0;
   float rem = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0.f;
+    for (int b = threadIdx.x; b < kWarpsPerBlock * 256; b += kThreads) whist[b / 256][b % 256] = 0.f;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const float v = get(i);
+    for (int i0 = warp * 32; i0 < n; i0 += kThreads) {  // whole warps per round, for the match below
+      const int i = i0 + lane;
+      const float v = i < n ? get(i) : 0.f;
       const uint32_t k = fkey(v);
-      if ((k & mask) == prefix && k >= floor_key)
-        atomicAdd(&hist[(k >> shift) & 255u], kMass ? __expf((v - mx) * inv_t) : 1.f);
+      const bool in = i < n && (k & mask) == prefix && k >= floor_key;
+      const uint32_t bin = in ? (k >> shift) & 255u : 256u;
+      if (kMass) {
+        if (in) atomicAdd(&whist[warp][bin], __expf((v - mx) * inv_t));
+      } else {
+        const uint32_t same = __match_any_sync(0xffffffffu, bin);
+        if (in && lane == __ffs(same) - 1) whist[warp][bin] += (float)__popc(same);
+      }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += kThreads) {
+      float t = 0.f;
+#pragma unroll 8
+      for (int w = 0; w < kWarpsPerBlock; ++w) t += whist[w][b];
+      hist[b] = t;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -105,7 +123,8 @@ __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float targe
 // token id id(j). Returns the drawn token.
 template <class Get, class Id>
 __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, float mx, float inv_t, uint64_t seed,
-                            int pos, ArgMax* red, float* fred, float* hist, uint32_t* sprefix, float* srem) {
+                            int pos, ArgMax* red, float* fred, float (*whist)[256], float* hist, uint32_t* sprefix,
+                            float* srem) {
   if (p < 1.f) {
     float z = 0.f;
     for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -113,7 +132,7 @@ __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, 
       if (fkey(v) >= floor_key) z += __expf((v - mx) * inv_t);
     }
     z = block_sum(z, fred);
-    floor_key = radix_select<true>(get, n, floor_key, p * z, mx, inv_t, hist, sprefix, srem);
+    floor_key = radix_select<true>(get, n, floor_key, p * z, mx, inv_t, whist, hist, sprefix, srem);
   }
   ArgMax draw{-INFINITY, 0x7fffffff};
   for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -128,6 +147,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
   __shared__ ArgMax red[32];
   __shared__ float fred[32];
   __shared__ float hist[256];
+  __shared__ float whist[kWarpsPerBlock][256];
   __shared__ uint32_t sprefix;
   __shared__ float srem;
   __shared__ float cand_v[kMaxCandidates];
@@ -168,7 +188,7 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
     auto vocab_v = [l](int i) { return l[i]; };
     auto vocab_id = [](int i) { return i; };
     if (k > 0 && k < V) {
-      const uint32_t floor_key = radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, hist, &sprefix, &srem);
+      const uint32_t floor_key = radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, whist, hist, &sprefix, &srem);
       // A small top-k keeps k tokens (and any ties at the floor): gathered into shared memory, the top-p
       // select and the draw read them instead of the whole vocabulary (six passes over it fewer).
       if (threadIdx.x == 0) s_count = 0;
@@ -187,11 +207,11 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
       const int n = s_count;
       if (n <= kMaxCandidates)
         token = nucleus_draw([](int j) { return cand_v[j]; }, [](int j) { return cand_i[j]; }, n, floor_key, p, mx,
-                             inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+                             inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
       else
-        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
     } else {
-      token = nucleus_draw(vocab_v, vocab_id, V, 0, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+      token = nucleus_draw(vocab_v, vocab_id, V, 0, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
     }
   }
   if (threadIdx.x == 0) {
