@@ -11,7 +11,9 @@
 # kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), overlap (concurrency 1 and 64
 # with --overlap-steps true and false, side by side), ab (QPS 32 and concurrency 64, 40 s each, for the
 # tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint, attn (decode attention key
-# warps on/off: the attention tests, the graph tests, kernel and engine A/B).
+# warps on/off: the attention tests, the graph tests, kernel and engine A/B), sampling (the sampling
+# tests, then decode steps greedy and at the releases' default sampling, for .alt/ if present and this
+# tree).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -36,10 +38,21 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     server) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
               python3 -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_server_tools.py 2>&1 | tail -3 ;;
     bench) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --out "$OUT/engine_4b.json" | tail -6
+           python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8 --sampling qwen \
+             --out "$OUT/engine_4b_qwen_sampling.json" | grep "decode " 
            python3 bench/bench_engine.py --preset qwen3-8b,qwen3-32b --batches 1 --out "$OUT/engine_8b_32b.json" | tail -5
            [ -f .peers/torch_peer.py ] && timeout 300 python3 .peers/torch_peer.py 4b 1024 1,8,32,64 --compile |
              tee "$OUT/torch_peer.log" ;;
     kbench) python3 bench/bench_kernels.py --out "$OUT/kernels.json" ;;
+    sampling) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k sampl 2>&1 | tail -2
+              for tree in alt this; do  # .alt/ from bench/alt_tree.sh REV, carried, when present
+                [ $tree = alt ] && { [ -d .alt/src ] || continue; }
+                PP=$PYTHONPATH; [ $tree = alt ] && PP=$PWD/.alt/src:/tmp/site:$PWD/tests:$PWD/bench
+                for smp in qwen greedy; do
+                  echo "-- $tree $smp"; PYTHONPATH=$PP python3 bench/bench_engine.py --preset qwen3-4b,qwen3-8b \
+                    --batches 1,8 --prefill-len 64 --sampling $smp --out "$OUT/sampling_${tree}_$smp.json" | grep "decode "
+                done
+              done ;;
     sweep) need_4b && POINT_SECONDS=${POINT_SECONDS:-8} SERVER_CMD="python3 -m openinfer.cli" TAG=qwen3-4b \
              bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/sweep" | tail -16 ;;
     overlap) need_4b && for ov in true false; do
