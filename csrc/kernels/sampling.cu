@@ -62,9 +62,10 @@ __device__ float block_sum(float v, float* red) {
 
 // Radix select over float keys, 8 bits a pass, over n values get(0..n-1). By count (kth largest key)
 // or by mass (largest key K such that the weights of keys >= K reach `target`). Only keys >= floor_key
-// take part. Each warp counts into its own histogram, lanes with the same bin adding once (logits
-// crowd into a few bins of the top bytes: one block-wide histogram serialized ~150k atomics on them,
-// ~1 ms per batch-1 step at the releases' defaults); the warps' histograms are then summed in order.
+// take part. Each warp counts into its own histogram, the lanes of one bin adding once, with no
+// atomics (logits crowd into a few bins of the top bytes: one block-wide histogram serialized ~150k
+// atomics on them, ~1.2 ms per batch-1 step at the releases' defaults); the warps' histograms are then
+// summed in order, so the result does not depend on timing.
 template <bool kMass, class Get>
 __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float target, float mx, float inv_t,
                                  float (*whist)[256], float* hist, uint32_t* shared_prefix, float* shared_rem) {
@@ -72,7 +73,7 @@ __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float targe
   uint32_t prefix = 0, mask = 0;
   float rem = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < kWarpsPerBlock * 256; b += kThreads) whist[b / 256][b % 256] = 0.f;
+    for (unsigned b = threadIdx.x; b < kWarpsPerBlock * 256u; b += kThreads) (&whist[0][0])[b] = 0.f;
     __syncthreads();
     for (int i0 = warp * 32; i0 < n; i0 += kThreads) {  // whole warps per round, for the match below
       const int i = i0 + lane;
@@ -80,12 +81,20 @@ __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float targe
       const uint32_t k = fkey(v);
       const bool in = i < n && (k & mask) == prefix && k >= floor_key;
       const uint32_t bin = in ? (k >> shift) & 255u : 256u;
-      if (kMass) {
-        if (in) atomicAdd(&whist[warp][bin], __expf((v - mx) * inv_t));
+      const uint32_t same = __match_any_sync(0xffffffffu, bin);
+      float add;
+      if constexpr (kMass) {  // the group's weights, summed in lane order (a float atomic is a retry loop)
+        const float w = in ? __expf((v - mx) * inv_t) : 0.f;
+        add = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          const float x = __shfl_sync(0xffffffffu, w, j);
+          if ((same >> j) & 1u) add += x;
+        }
       } else {
-        const uint32_t same = __match_any_sync(0xffffffffu, bin);
-        if (in && lane == __ffs(same) - 1) whist[warp][bin] += (float)__popc(same);
+        add = (float)__popc(same);
       }
+      if (in && lane == __ffs(same) - 1) whist[warp][bin] += add;
+      __syncwarp();  // orders this round's histogram updates before the next round's
     }
     __syncthreads();
     for (int b = threadIdx.x; b < 256; b += kThreads) {
