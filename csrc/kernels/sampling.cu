@@ -214,11 +214,28 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
       }
       __syncthreads();
       const int n = s_count;
-      if (n <= kMaxCandidates)
+      if (n <= kMaxCandidates) {
+        // In token order (the gathering order depends on timing, and the top-p sums follow it): each
+        // survivor's place is the number of survivors with a lower id.
+        float cv = 0.f;
+        int ci = 0, place = 0;
+        if (threadIdx.x < n) {
+          cv = cand_v[threadIdx.x];
+          ci = cand_i[threadIdx.x];
+          for (int j = 0; j < n; ++j) place += cand_i[j] < ci;
+        }
+        __syncthreads();
+        if (threadIdx.x < n) {
+          cand_v[place] = cv;
+          cand_i[place] = ci;
+        }
+        __syncthreads();
         token = nucleus_draw([](int j) { return cand_v[j]; }, [](int j) { return cand_i[j]; }, n, floor_key, p, mx,
                              inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
-      else
-        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
+      } else {
+        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, whist, hist,
+                             &sprefix, &srem);
+      }
     } else {
       token = nucleus_draw(vocab_v, vocab_id, V, 0, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix, &srem);
     }
