@@ -270,6 +270,26 @@ def test_sampling_matches_reference(S):
     np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
 
 
+def test_sampling_topk_survivor_paths():
+    """Top-k survivors are gathered in shared memory up to 1024 (ties at the floor count); beyond that
+    (many ties, or a larger k) the whole vocabulary is read again. Both paths draw what the reference
+    draws, and the same again on a second run."""
+    rng = np.random.default_rng(7)
+    S = 5
+    logits = _logits(rng, S)
+    logits[0, rng.choice(V, 2000, replace=False)] = 12.0  # top-k 20 keeps 2000 ties: past the gather
+    logits[1, rng.choice(V, 700, replace=False)] = 12.0  # 700 ties: gathered
+    temp = np.full(S, 0.7, np.float32)
+    top_p = np.array([0.9, 0.9, 0.95, 1.0, 0.5], np.float32)
+    top_k = np.array([20, 20, 5000, 1024, 1025], np.int32)  # 1024 fills the gather exactly
+    seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
+    pos = rng.integers(0, 40000, S).astype(np.int32)
+    tok, *_ = ops().sample(logits, temp, top_p, top_k, seeds, pos, 0)
+    np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
+    again, *_ = ops().sample(logits, temp, top_p, top_k, seeds, pos, 0)
+    np.testing.assert_array_equal(again, tok)
+
+
 def test_sampling_greedy_ties_and_seed_reproducible():
     rng = np.random.default_rng(1)
     logits = _logits(rng, 4)
