@@ -540,7 +540,7 @@ void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool ea
 // The largest power of two up to `cap` that divides `splits`.
 int cluster_for(int splits, int cap) {
   int cluster = 1;
-  while (cluster < cap && splits % (2 * cluster) == 0) cluster *= 2;
+  while (2 * cluster <= cap && splits % (2 * cluster) == 0) cluster *= 2;
   return cluster;
 }
 
