@@ -26,6 +26,24 @@ import numpy as np
 FLOOR_MS = {"qwen3-4b": 1.91, "qwen3-8b": 3.59, "qwen3-32b": 15.2}
 
 
+def knob_settings(knobs: str) -> list[tuple[str, list[tuple[str, int]]]]:
+    """'a=1,b=2;a=0,b=2' -> [(text, [(name, value), ...]), ...]. Every setting must name the same knobs: a
+    knob keeps its value until it is set again, so one left out would carry the last setting's value."""
+    out = []
+    for setting in knobs.split(";"):
+        pairs = [(kv.split("=")[0], int(kv.split("=")[1])) for kv in setting.split(",") if kv]
+        out.append((setting, pairs))
+    names = [sorted(n for n, _ in pairs) for _, pairs in out]
+    if any(n != names[0] for n in names):
+        raise SystemExit(f"--knobs: every setting must name the same knobs: {names}")
+    return out
+
+
+def apply_knobs(ops, pairs: list[tuple[str, int]]) -> None:
+    for name, value in pairs:
+        getattr(ops, name)(value)
+
+
 def model_dir(preset: str) -> Path:
     """A config-only model directory (enough for load_format='random')."""
     import openinfer
@@ -148,16 +166,12 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
-    named = [sorted(kv.split("=")[0] for kv in setting.split(",") if kv) for setting in a.knobs.split(";")]
-    if any(n != named[0] for n in named):
-        ap.error(f"--knobs: every setting must name the same knobs (a knob left out would keep the last value): {named}")
+    settings = knob_settings(a.knobs)
     rows = []
     for preset in a.preset.split(","):
         from openinfer import _engine
-        for setting in a.knobs.split(";"):
-            for kv in (kv for kv in setting.split(",") if kv):
-                name, value = kv.split("=")
-                getattr(_engine.ops, name)(int(value))
+        for setting, pairs in settings:
+            apply_knobs(_engine.ops, pairs)
             for pdl in a.pdl.split(","):
                 got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl, a.sampling)
                 for r in got:

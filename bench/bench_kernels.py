@@ -28,10 +28,10 @@ def attention(a, _engine) -> list:
     """Decode attention (4B heads: 32 query, 8 KV), one launch per layer of 36 in a graph."""
     rows = []
     print(f"{'knobs':24} {'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
-    for setting in a.knobs.split(";"):
-        for kv in (kv for kv in setting.split(",") if kv):
-            name, value = kv.split("=")
-            getattr(_engine.ops, name)(int(value))
+    from bench_engine import apply_knobs, knob_settings
+
+    for setting, pairs in knob_settings(a.knobs):
+        apply_knobs(_engine.ops, pairs)
         for case in a.attention.split(","):
             B, ctx = (int(v) for v in case.split("x"))
             for sp in (int(v) for v in a.splits.split(",")):
