@@ -58,8 +58,9 @@ def model_dir(preset: str) -> Path:
 
 
 # Sampling per row: greedy, or the Qwen3 releases' generation_config.json defaults (what the server
-# applies when a request leaves them out): temperature, top_p, top_k.
-SAMPLING = {"greedy": (0.0, 1.0, 0), "qwen": (0.6, 0.95, 20)}
+# applies when a request leaves them out), or a client that sends temperature and top_p only (on a
+# random-weight model the nucleus is wide: the sampler's slowest path): temperature, top_p, top_k.
+SAMPLING = {"greedy": (0.0, 1.0, 0), "qwen": (0.6, 0.95, 20), "top_p": (0.6, 0.95, 0)}
 
 
 class Runner:

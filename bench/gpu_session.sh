@@ -48,7 +48,7 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
               for tree in alt this; do  # .alt/ from bench/alt_tree.sh REV, carried, when present
                 [ $tree = alt ] && { [ -d .alt/src ] || continue; }
                 PP=$PYTHONPATH; [ $tree = alt ] && PP=$PWD/.alt/src:/tmp/site:$PWD/tests:$PWD/bench
-                for smp in qwen greedy; do
+                for smp in qwen top_p greedy; do
                   echo "-- $tree $smp"; PYTHONPATH=$PP python3 bench/bench_engine.py --preset qwen3-4b,qwen3-8b \
                     --batches 1,8 --prefill-len 64 --sampling $smp --out "$OUT/sampling_${tree}_$smp.json" | grep "decode "
                 done

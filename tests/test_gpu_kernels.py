@@ -270,6 +270,32 @@ def test_sampling_matches_reference(S):
     np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
 
 
+def test_sampling_gather_and_whole_row_paths():
+    """The survivors are usually gathered (logits above a pivot from the threads' maxima, at most 1024)
+    and sorted; many ties, a top-k above 1024 or a nucleus wider than 256 candidates read the whole row
+    instead, and so do top-logprobs past the gather. Both paths draw what the reference draws, and the
+    same again on a second run."""
+    rng = np.random.default_rng(7)
+    S = 8
+    logits = _logits(rng, S)
+    logits[0, rng.choice(V, 2000, replace=False)] = 12.0  # top-k 20 keeps 2000 ties: past the gather
+    logits[1, rng.choice(V, 700, replace=False)] = 12.0  # 700 ties: gathered
+    temp = np.full(S, 0.7, np.float32)
+    top_p = np.array([0.9, 0.9, 0.95, 1.0, 0.5, 0.3, 0.99, 0.9], np.float32)
+    # 1024 and 1025 crowd the gather; no top-k: a narrow nucleus (gathered), a wide one (whole row)
+    top_k = np.array([20, 20, 5000, 1024, 1025, 0, 0, 1], np.int32)
+    seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
+    pos = rng.integers(0, 40000, S).astype(np.int32)
+    tok, _, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, 7)
+    np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
+    assert tok[7] == logits[7].argmax()
+    want_ids, want_lps = ref.top_logprobs(ref.log_softmax(logits), 7)  # row 0: 2000 ties, past the gather
+    np.testing.assert_array_equal(top_ids, want_ids)
+    np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
+    again, *_ = ops().sample(logits, temp, top_p, top_k, seeds, pos, 0)
+    np.testing.assert_array_equal(again, tok)
+
+
 def test_sampling_greedy_ties_and_seed_reproducible():
     rng = np.random.default_rng(1)
     logits = _logits(rng, 4)

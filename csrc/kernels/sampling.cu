@@ -8,7 +8,7 @@ namespace oi {
 namespace {
 
 constexpr int kThreads = 1024;
-constexpr int kMaxCandidates = kThreads;  // top-k survivors gathered in shared memory (one per thread)
+constexpr int kWarpsPerBlock = kThreads / 32;
 
 __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
   const uint64_t h = mix64(seed * 0x9E3779B97F4A7C15ull + (uint64_t)(pos + 1) * 0xD1B54A32D192ED03ull + (uint64_t)i);
@@ -61,20 +61,46 @@ __device__ float block_sum(float v, float* red) {
 
 // Radix select over float keys, 8 bits a pass, over n values get(0..n-1). By count (kth largest key)
 // or by mass (largest key K such that the weights of keys >= K reach `target`). Only keys >= floor_key
-// take part.
+// take part. Each warp counts into its own histogram, the lanes of one bin adding once, with no
+// atomics (logits crowd into a few bins of the top bytes: one block-wide histogram serialized ~150k
+// atomics on them, ~1.2 ms per batch-1 step at the releases' defaults); the warps' histograms are then
+// summed in order, so the result does not depend on timing.
 template <bool kMass, class Get>
 __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float target, float mx, float inv_t,
-                                 float* hist, uint32_t* shared_prefix, float* shared_rem) {
+                                 float (*whist)[256], float* hist, uint32_t* shared_prefix, float* shared_rem) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint32_t prefix = 0, mask = 0;
   float rem = target;
   for (int shift = 24; shift >= 0; shift -= 8) {
-    for (int b = threadIdx.x; b < 256; b += kThreads) hist[b] = 0.f;
+    for (unsigned b = threadIdx.x; b < kWarpsPerBlock * 256u; b += kThreads) (&whist[0][0])[b] = 0.f;
     __syncthreads();
-    for (int i = threadIdx.x; i < n; i += kThreads) {
-      const float v = get(i);
+    for (int i0 = warp * 32; i0 < n; i0 += kThreads) {  // whole warps per round, for the match below
+      const int i = i0 + lane;
+      const float v = i < n ? get(i) : 0.f;
       const uint32_t k = fkey(v);
-      if ((k & mask) == prefix && k >= floor_key)
-        atomicAdd(&hist[(k >> shift) & 255u], kMass ? __expf((v - mx) * inv_t) : 1.f);
+      const bool in = i < n && (k & mask) == prefix && k >= floor_key;
+      const uint32_t bin = in ? (k >> shift) & 255u : 256u;
+      const uint32_t same = __match_any_sync(0xffffffffu, bin);
+      float add;
+      if constexpr (kMass) {  // the group's weights, summed in lane order (a float atomic is a retry loop)
+        const float w = in ? __expf((v - mx) * inv_t) : 0.f;
+        add = 0.f;
+        for (int j = 0; j < 32; ++j) {
+          const float x = __shfl_sync(0xffffffffu, w, j);
+          if ((same >> j) & 1u) add += x;
+        }
+      } else {
+        add = (float)__popc(same);
+      }
+      if (in && lane == __ffs(same) - 1) whist[warp][bin] += add;
+      __syncwarp();  // orders this round's histogram updates before the next round's
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += kThreads) {
+      float t = 0.f;
+#pragma unroll 8
+      for (int w = 0; w < kWarpsPerBlock; ++w) t += whist[w][b];
+      hist[b] = t;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
@@ -105,7 +131,8 @@ __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float targe
 // token id id(j). Returns the drawn token.
 template <class Get, class Id>
 __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, float mx, float inv_t, uint64_t seed,
-                            int pos, ArgMax* red, float* fred, float* hist, uint32_t* sprefix, float* srem) {
+                            int pos, ArgMax* red, float* fred, float (*whist)[256], float* hist, uint32_t* sprefix,
+                            float* srem) {
   if (p < 1.f) {
     float z = 0.f;
     for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -113,7 +140,7 @@ __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, 
       if (fkey(v) >= floor_key) z += __expf((v - mx) * inv_t);
     }
     z = block_sum(z, fred);
-    floor_key = radix_select<true>(get, n, floor_key, p * z, mx, inv_t, hist, sprefix, srem);
+    floor_key = radix_select<true>(get, n, floor_key, p * z, mx, inv_t, whist, hist, sprefix, srem);
   }
   ArgMax draw{-INFINITY, 0x7fffffff};
   for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -124,15 +151,123 @@ __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, 
   return block_argmax(draw, red).i;
 }
 
-__global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
+// A logit and its id as one sortable key: larger logit first, then lower id.
+__device__ __forceinline__ uint64_t pack(uint32_t k, int i) { return (uint64_t)k << 32 | ~(uint32_t)i; }
+__device__ __forceinline__ float unkey(uint64_t key) {
+  const uint32_t k = (uint32_t)(key >> 32);
+  return __uint_as_float((k & 0x80000000u) ? (k & 0x7fffffffu) : ~k);
+}
+__device__ __forceinline__ int key_id(uint64_t key) { return (int)~(uint32_t)key; }
+
+// Sorts kThreads keys in shared memory, largest first (bitonic; one key per thread).
+__device__ __forceinline__ void sort_desc(uint64_t* key) {
+  const int t = threadIdx.x;
+  for (int k = 2; k <= kThreads; k <<= 1) {
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      __syncthreads();
+      const int o = t ^ j;
+      if (o > t) {
+        const uint64_t a = key[t], b = key[o];
+        if ((t & k) == 0 ? a < b : a > b) {
+          key[t] = b;
+          key[o] = a;
+        }
+      }
+    }
+  }
+  __syncthreads();
+}
+
+// Inclusive prefix sum over the block, in thread order.
+__device__ __forceinline__ float block_scan(float v, float* red) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int o = 1; o < 32; o <<= 1) {
+    const float y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  __syncthreads();
+  if (lane == 31) red[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    float s = red[lane];
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    red[lane] = s;
+  }
+  __syncthreads();
+  return warp > 0 ? v + red[warp - 1] : v;
+}
+
+// The logits at or above the rank-th largest of the threads' maxima (rank <= kThreads): at least `rank`
+// of them, and every logit that can be among the top `rank`. Sorted into key[] (unused slots 0); returns
+// how many, or -1 when more than kThreads tie or crowd above the pivot. With kSum, also the sum of
+// exp((v - mx) * inv_t) over the whole row into *z.
+template <bool kSum>
+__device__ __forceinline__ int gather_top(const float* l, int V, float thread_max, int rank, uint64_t* key, int* count, float* red,
+                          float mx, float inv_t, float* z) {
+  key[threadIdx.x] = (uint64_t)fkey(thread_max) << 32;
+  sort_desc(key);
+  const uint32_t pivot = (uint32_t)(key[rank - 1] >> 32);
+  __syncthreads();
+  key[threadIdx.x] = 0;
+  if (threadIdx.x == 0) *count = 0;
+  __syncthreads();
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < V; i += kThreads) {
+    const float v = l[i];
+    const uint32_t k = fkey(v);
+    if (k >= pivot) {
+      const int c = atomicAdd(count, 1);
+      if (c < kThreads) key[c] = pack(k, i);
+    }
+    if constexpr (kSum) sum += __expf((v - mx) * inv_t);
+  }
+  if constexpr (kSum) *z = block_sum(sum, red);
+  __syncthreads();
+  const int n = *count;
+  if (n > kThreads) return -1;
+  sort_desc(key);
+  return n;
+}
+
+// Top-k and top-p over the gathered keys, then the draw: -1 when the candidates hold less than top_p of
+// the row's mass (only without a top-k, when the nucleus is wider than the gather).
+__device__ __forceinline__ int draw_from_sorted(const uint64_t* key, int n, int k, float p, float z_row, float mx, float inv_t,
+                                uint64_t seed, int pos, float* scan, int* cut, ArgMax* red, float* fred) {
+  const int t = threadIdx.x;
+  const uint32_t floor = k > 0 ? (uint32_t)(key[k - 1] >> 32) : 0u;  // ties at the k-th are kept
+  const bool in = t < n && (uint32_t)(key[t] >> 32) >= floor;
+  const float v = unkey(key[t]);
+  uint32_t cut_key = floor;
+  if (p < 1.f) {
+    const float c = block_scan(in ? __expf((v - mx) * inv_t) : 0.f, fred);  // in sorted order, like the reference
+    scan[t] = c;
+    if (t == 0) *cut = -1;
+    __syncthreads();
+    const float target = p * (k > 0 ? scan[kThreads - 1] : z_row);
+    if (in && c >= target && (t == 0 || scan[t - 1] < target)) *cut = t;  // the first to reach it
+    __syncthreads();
+    if (*cut < 0) return -1;
+    cut_key = (uint32_t)(key[*cut] >> 32);  // ties at the cut are kept
+  }
+  ArgMax draw{-INFINITY, 0x7fffffff};
+  if (in && (uint32_t)(key[t] >> 32) >= cut_key) draw = ArgMax{v * inv_t + gumbel(seed, pos, key_id(key[t])), key_id(key[t])};
+  return block_argmax(draw, red).i;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
   __shared__ ArgMax red[32];
   __shared__ float fred[32];
   __shared__ float hist[256];
+  __shared__ float whist[kWarpsPerBlock][256];
   __shared__ uint32_t sprefix;
   __shared__ float srem;
-  __shared__ float cand_v[kMaxCandidates];
-  __shared__ int cand_i[kMaxCandidates];
-  __shared__ int s_count;
+  __shared__ uint64_t key[kThreads];
+  __shared__ float scan[kThreads];
+  __shared__ int s_count, s_cut;
+  __shared__ float s_z;
   pdl_wait();  // the logits come from the lm_head
   pdl_trigger();
   const int row = blockIdx.x;
@@ -161,46 +296,44 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
   const float temp = a.temperature[row];
   if (temp > 0.f) {
     const float inv_t = 1.f / temp;
-    const int k = a.top_k[row];
+    const int k = a.top_k[row] > 0 && a.top_k[row] < V ? a.top_k[row] : 0;
     const float p = a.top_p[row];
     const uint64_t seed = a.seeds[row];
     const int pos = a.positions[row];
     auto vocab_v = [l](int i) { return l[i]; };
     auto vocab_id = [](int i) { return i; };
-    if (k > 0 && k < V) {
-      const uint32_t floor_key = radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, hist, &sprefix, &srem);
-      // A small top-k keeps k tokens (and any ties at the floor): gathered into shared memory, the top-p
-      // select and the draw read them instead of the whole vocabulary (six passes over it fewer).
-      if (threadIdx.x == 0) s_count = 0;
-      __syncthreads();
-      for (int i = threadIdx.x; i < V; i += kThreads) {
-        const float v = l[i];
-        if (fkey(v) >= floor_key) {
-          const int c = atomicAdd(&s_count, 1);
-          if (c < kMaxCandidates) {
-            cand_v[c] = v;
-            cand_i[c] = i;
-          }
-        }
-      }
-      __syncthreads();
-      const int n = s_count;
-      if (n <= kMaxCandidates)
-        token = nucleus_draw([](int j) { return cand_v[j]; }, [](int j) { return cand_i[j]; }, n, floor_key, p, mx,
-                             inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
-      else
-        token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
-    } else {
-      token = nucleus_draw(vocab_v, vocab_id, V, 0, p, mx, inv_t, seed, pos, red, fred, hist, &sprefix, &srem);
+    // Usually the survivors are few: gather the logits above a pivot from the threads' maxima, sort them
+    // and cut there (two passes over the row). Without a top-k the pivot is the 256th maximum, enough
+    // when the nucleus is narrow.
+    token = -1;
+    if (k > 0 ? k <= kThreads : p < 1.f) {
+      const int n = k > 0 ? gather_top<false>(l, V, m_t, k, key, &s_count, fred, mx, inv_t, &s_z)
+                          : gather_top<true>(l, V, m_t, 256, key, &s_count, fred, mx, inv_t, &s_z);
+      if (n >= 0) token = draw_from_sorted(key, n, k, p, s_z, mx, inv_t, seed, pos, scan, &s_cut, red, fred);
+    }
+    if (token < 0) {  // radix selects over the whole row: many ties, a large top-k, a wide nucleus, or neither
+      const uint32_t floor_key =
+          k > 0 ? radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, whist, hist, &sprefix, &srem) : 0u;
+      token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix,
+                           &srem);
     }
   }
   if (threadIdx.x == 0) {
     a.tokens[row] = token;
     a.logprobs[row] = l[token] - lse;
   }
-  // Top-N by (logit desc, id asc): each round takes the best element strictly after the previous one.
+  if (a.num_logprobs == 0) return;
+  // Top-N by (logit desc, id asc): the gathered keys in order; past the gather, N passes.
+  const int n = gather_top<false>(l, V, m_t, a.num_logprobs, key, &s_count, fred, 0.f, 0.f, &s_z);
+  if (n >= 0) {
+    if (threadIdx.x < a.num_logprobs) {
+      a.top_ids[(int64_t)row * a.num_logprobs + threadIdx.x] = key_id(key[threadIdx.x]);
+      a.top_logprobs[(int64_t)row * a.num_logprobs + threadIdx.x] = unkey(key[threadIdx.x]) - lse;
+    }
+    return;
+  }
   ArgMax prev{INFINITY, -1};
-  for (int n = 0; n < a.num_logprobs; ++n) {
+  for (int r = 0; r < a.num_logprobs; ++r) {
     ArgMax c{-INFINITY, 0x7fffffff};
     for (int i = threadIdx.x; i < V; i += kThreads) {
       const float v = l[i];
@@ -208,8 +341,8 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleArgs a) {
     }
     c = block_argmax(c, red);
     if (threadIdx.x == 0) {
-      a.top_ids[(int64_t)row * a.num_logprobs + n] = c.i;
-      a.top_logprobs[(int64_t)row * a.num_logprobs + n] = c.v - lse;
+      a.top_ids[(int64_t)row * a.num_logprobs + r] = c.i;
+      a.top_logprobs[(int64_t)row * a.num_logprobs + r] = c.v - lse;
     }
     prev = c;
   }
