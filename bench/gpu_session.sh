@@ -13,7 +13,7 @@
 # tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint, attn (decode attention key
 # warps on/off: the attention tests, the graph tests, kernel and engine A/B), sampling (the sampling
 # tests, then decode steps greedy and at the releases' default sampling, for .alt/ if present and this
-# tree).
+# tree), knobs (bench_engine A/B of KNOBS over PRESETS and BATCHES).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -73,6 +73,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
           python3 bench/bench_engine.py --preset qwen3-4b,qwen3-8b --batches 1,2,8,64 --prefill-len 64 \
             --knobs 'attention_key_warps=0;attention_key_warps=1;attention_key_warps=0;attention_key_warps=1' \
             --out "$OUT/attn_engine_ab.json" | grep -v prefill | tail -33 ;;
+    knobs) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
+             --prefill-len 64 --knobs "$KNOBS" --out "$OUT/knobs_ab.json" | grep -v prefill ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
     *) echo "unknown stage $stage" ;;

@@ -159,23 +159,25 @@ __device__ __forceinline__ float unkey(uint64_t key) {
 }
 __device__ __forceinline__ int key_id(uint64_t key) { return (int)~(uint32_t)key; }
 
-// Sorts kThreads keys in shared memory, largest first (bitonic; one key per thread).
-__device__ __forceinline__ void sort_desc(uint64_t* key) {
-  const int t = threadIdx.x;
-  for (int k = 2; k <= kThreads; k <<= 1) {
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      __syncthreads();
-      const int o = t ^ j;
-      if (o > t) {
-        const uint64_t a = key[t], b = key[o];
-        if ((t & k) == 0 ? a < b : a > b) {
-          key[t] = b;
-          key[o] = a;
-        }
-      }
-    }
+// The k-th largest of the block's keys, one per thread (1 <= k <= kThreads): bit by bit from the top,
+// the largest x with at least k keys >= x (one counting barrier per bit).
+__device__ __forceinline__ uint32_t kth_largest(uint32_t key, int k) {
+  uint32_t x = 0;
+  for (int b = 31; b >= 0; --b) {
+    const uint32_t c = x | (1u << b);
+    if (__syncthreads_count(key >= c) >= k) x = c;
   }
-  __syncthreads();
+  return x;
+}
+
+// This thread's place among the gathered keys at or above `floor` (their logit part), largest first.
+__device__ __forceinline__ int place_of(const uint64_t* key, int n, uint64_t mine, uint32_t floor) {
+  int place = 0;
+  for (int j = 0; j < n; ++j) {
+    const uint64_t o = key[j];
+    place += (uint32_t)(o >> 32) >= floor && o > mine;
+  }
+  return place;
 }
 
 // Inclusive prefix sum over the block, in thread order.
@@ -200,18 +202,14 @@ __device__ __forceinline__ float block_scan(float v, float* red) {
   return warp > 0 ? v + red[warp - 1] : v;
 }
 
-// The logits at or above the rank-th largest of the threads' maxima (rank <= kThreads): at least `rank`
-// of them, and every logit that can be among the top `rank`. Sorted into key[] (unused slots 0); returns
-// how many, or -1 when more than kThreads tie or crowd above the pivot. With kSum, also the sum of
-// exp((v - mx) * inv_t) over the whole row into *z.
+// Gathers the logits at or above the rank-th largest of the threads' maxima (rank <= kThreads): at
+// least `rank` of them, and every logit that can be among the top `rank`. Into key[] in no particular
+// order; returns how many, or -1 when more than kThreads tie or crowd above the pivot. With kSum, also
+// the sum of exp((v - mx) * inv_t) over the whole row into *z.
 template <bool kSum>
-__device__ __forceinline__ int gather_top(const float* l, int V, float thread_max, int rank, uint64_t* key, int* count, float* red,
-                          float mx, float inv_t, float* z) {
-  key[threadIdx.x] = (uint64_t)fkey(thread_max) << 32;
-  sort_desc(key);
-  const uint32_t pivot = (uint32_t)(key[rank - 1] >> 32);
-  __syncthreads();
-  key[threadIdx.x] = 0;
+__device__ __forceinline__ int gather_top(const float* l, int V, float thread_max, int rank, uint64_t* key, int* count,
+                                          float* red, float mx, float inv_t, float* z) {
+  const uint32_t pivot = kth_largest(fkey(thread_max), rank);
   if (threadIdx.x == 0) *count = 0;
   __syncthreads();
   float sum = 0.f;
@@ -227,18 +225,24 @@ __device__ __forceinline__ int gather_top(const float* l, int V, float thread_ma
   if constexpr (kSum) *z = block_sum(sum, red);
   __syncthreads();
   const int n = *count;
-  if (n > kThreads) return -1;
-  sort_desc(key);
-  return n;
+  return n > kThreads ? -1 : n;
 }
 
-// Top-k and top-p over the gathered keys, then the draw: -1 when the candidates hold less than top_p of
-// the row's mass (only without a top-k, when the nucleus is wider than the gather).
-__device__ __forceinline__ int draw_from_sorted(const uint64_t* key, int n, int k, float p, float z_row, float mx, float inv_t,
-                                uint64_t seed, int pos, float* scan, int* cut, ArgMax* red, float* fred) {
+// Top-k over the n gathered keys (the survivors go to the front of key[], largest first), then top-p
+// over them and the draw: -1 when they hold less than top_p of the row's mass (only without a top-k,
+// when the nucleus is wider than the gather).
+__device__ __forceinline__ int draw_from_gathered(uint64_t* key, int n, int k, float p, float z_row, float mx,
+                                                  float inv_t, uint64_t seed, int pos, float* scan, int* cut,
+                                                  ArgMax* red, float* fred) {
   const int t = threadIdx.x;
-  const uint32_t floor = k > 0 ? (uint32_t)(key[k - 1] >> 32) : 0u;  // ties at the k-th are kept
-  const bool in = t < n && (uint32_t)(key[t] >> 32) >= floor;
+  const uint64_t mine = t < n ? key[t] : 0;
+  const uint32_t floor = k > 0 ? kth_largest((uint32_t)(mine >> 32), k) : 0u;  // ties at the k-th are kept
+  const bool kept = t < n && (uint32_t)(mine >> 32) >= floor;
+  const int place = kept ? place_of(key, n, mine, floor) : 0;
+  __syncthreads();
+  if (kept) key[place] = mine;
+  const int m = __syncthreads_count(kept);
+  const bool in = t < m;
   const float v = unkey(key[t]);
   uint32_t cut_key = floor;
   if (p < 1.f) {
@@ -309,7 +313,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
     if (k > 0 ? k <= kThreads : p < 1.f) {
       const int n = k > 0 ? gather_top<false>(l, V, m_t, k, key, &s_count, fred, mx, inv_t, &s_z)
                           : gather_top<true>(l, V, m_t, 256, key, &s_count, fred, mx, inv_t, &s_z);
-      if (n >= 0) token = draw_from_sorted(key, n, k, p, s_z, mx, inv_t, seed, pos, scan, &s_cut, red, fred);
+      if (n >= 0) token = draw_from_gathered(key, n, k, p, s_z, mx, inv_t, seed, pos, scan, &s_cut, red, fred);
     }
     if (token < 0) {  // radix selects over the whole row: many ties, a large top-k, a wide nucleus, or neither
       const uint32_t floor_key =
@@ -326,9 +330,13 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
   // Top-N by (logit desc, id asc): the gathered keys in order; past the gather, N passes.
   const int n = gather_top<false>(l, V, m_t, a.num_logprobs, key, &s_count, fred, 0.f, 0.f, &s_z);
   if (n >= 0) {
-    if (threadIdx.x < a.num_logprobs) {
-      a.top_ids[(int64_t)row * a.num_logprobs + threadIdx.x] = key_id(key[threadIdx.x]);
-      a.top_logprobs[(int64_t)row * a.num_logprobs + threadIdx.x] = unkey(key[threadIdx.x]) - lse;
+    if (threadIdx.x < n) {
+      const uint64_t mine = key[threadIdx.x];
+      const int place = place_of(key, n, mine, 0u);
+      if (place < a.num_logprobs) {
+        a.top_ids[(int64_t)row * a.num_logprobs + place] = key_id(mine);
+        a.top_logprobs[(int64_t)row * a.num_logprobs + place] = unkey(mine) - lse;
+      }
     }
     return;
   }
