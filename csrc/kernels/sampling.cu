@@ -243,21 +243,24 @@ __device__ __forceinline__ int draw_from_gathered(uint64_t* key, int n, int k, f
   if (kept) key[place] = mine;
   const int m = __syncthreads_count(kept);
   const bool in = t < m;
-  const float v = unkey(key[t]);
+  const float v = in ? unkey(key[t]) : 0.f;
   uint32_t cut_key = floor;
   if (p < 1.f) {
     const float c = block_scan(in ? __expf((v - mx) * inv_t) : 0.f, fred);  // in sorted order, like the reference
     scan[t] = c;
     if (t == 0) *cut = -1;
     __syncthreads();
-    const float target = p * (k > 0 ? scan[kThreads - 1] : z_row);
+    const float target = p * (k > 0 ? scan[m - 1] : z_row);  // (the last survivor's sum: reached)
     if (in && c >= target && (t == 0 || scan[t - 1] < target)) *cut = t;  // the first to reach it
     __syncthreads();
     if (*cut < 0) return -1;
     cut_key = (uint32_t)(key[*cut] >> 32);  // ties at the cut are kept
   }
   ArgMax draw{-INFINITY, 0x7fffffff};
-  if (in && (uint32_t)(key[t] >> 32) >= cut_key) draw = ArgMax{v * inv_t + gumbel(seed, pos, key_id(key[t])), key_id(key[t])};
+  if (in && (uint32_t)(key[t] >> 32) >= cut_key) {
+    const int id = key_id(key[t]);
+    draw = ArgMax{v * inv_t + gumbel(seed, pos, id), id};
+  }
   return block_argmax(draw, red).i;
 }
 
@@ -306,7 +309,7 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
     const int pos = a.positions[row];
     auto vocab_v = [l](int i) { return l[i]; };
     auto vocab_id = [](int i) { return i; };
-    // Usually the survivors are few: gather the logits above a pivot from the threads' maxima, sort them
+    // Usually the survivors are few: gather the logits above a pivot from the threads' maxima, rank them
     // and cut there (two passes over the row). Without a top-k the pivot is the 256th maximum, enough
     // when the nucleus is narrow.
     token = -1;
