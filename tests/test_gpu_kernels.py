@@ -311,6 +311,22 @@ def test_sampling_greedy_ties_and_seed_reproducible():
     np.testing.assert_array_equal(a, b)
 
 
+def test_sampling_signed_zero_and_rows_without_a_maximum():
+    """-0 ties with +0 (top-k 1 keeps both, as the reference does), and a row of -inf only (no maximum)
+    gives token 0 instead of reading past the row."""
+    S = 12
+    logits = np.full((S, V), -10.0, np.float32)
+    logits[:, 5], logits[:, 3] = 0.0, -0.0
+    logits[-1] = -np.inf
+    temp, top_p, top_k = np.ones(S, np.float32), np.ones(S, np.float32), np.ones(S, np.int32)
+    seeds, pos = np.arange(S, dtype=np.uint64), np.zeros(S, np.int32)
+    tok, *_ = ops().sample(logits, temp, top_p, top_k, seeds, pos, 0)
+    np.testing.assert_array_equal(tok[:-1], ref.sample(logits[:-1], temp[:-1], top_p[:-1], top_k[:-1], seeds[:-1],
+                                                       pos[:-1]))
+    assert set(tok[:-1]) == {3, 5}, tok  # both drawn over 11 seeds
+    assert tok[-1] == 0
+
+
 def test_sampling_distribution():
     """Many draws from a small-support distribution follow its softmax (top-k 4 keeps 4 tokens)."""
     n = 4000

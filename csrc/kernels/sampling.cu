@@ -1,4 +1,5 @@
 #include <cfloat>
+#include <climits>
 
 #include "hash.cuh"
 #include "launch.cuh"
@@ -19,8 +20,15 @@ __device__ __forceinline__ float gumbel(uint64_t seed, int pos, int i) {
 
 // Order-preserving map of a float to uint32 (larger float -> larger key).
 __device__ __forceinline__ uint32_t fkey(float f) {
-  const uint32_t u = __float_as_uint(f);
+  uint32_t u = __float_as_uint(f);
+  if (u == 0x80000000u) u = 0;  // -0 ties with +0, as in the reference's comparisons
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// The draw's score of logit v: the reference's l = v / t, then + g, each rounded as NumPy rounds it
+// (a multiply by 1/t, or an FMA, differs in the last bit and can flip a near-tie).
+__device__ __forceinline__ float score(float v, float temp, uint64_t seed, int pos, int i) {
+  return __fadd_rn(__fdiv_rn(v, temp), gumbel(seed, pos, i));
 }
 
 struct ArgMax {
@@ -130,9 +138,9 @@ __device__ uint32_t radix_select(Get get, int n, uint32_t floor_key, float targe
 // Top-p and the draw over the tokens kept so far (keys >= floor_key) among n of them: value get(j),
 // token id id(j). Returns the drawn token.
 template <class Get, class Id>
-__device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, float mx, float inv_t, uint64_t seed,
-                            int pos, ArgMax* red, float* fred, float (*whist)[256], float* hist, uint32_t* sprefix,
-                            float* srem) {
+__device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, float mx, float inv_t, float temp,
+                            uint64_t seed, int pos, ArgMax* red, float* fred, float (*whist)[256], float* hist,
+                            uint32_t* sprefix, float* srem) {
   if (p < 1.f) {
     float z = 0.f;
     for (int j = threadIdx.x; j < n; j += kThreads) {
@@ -146,7 +154,7 @@ __device__ int nucleus_draw(Get get, Id id, int n, uint32_t floor_key, float p, 
   for (int j = threadIdx.x; j < n; j += kThreads) {
     const float v = get(j);
     const int i = id(j);
-    if (fkey(v) >= floor_key) draw = better(draw, ArgMax{v * inv_t + gumbel(seed, pos, i), i});
+    if (fkey(v) >= floor_key) draw = better(draw, ArgMax{score(v, temp, seed, pos, i), i});
   }
   return block_argmax(draw, red).i;
 }
@@ -232,7 +240,7 @@ __device__ __forceinline__ int gather_top(const float* l, int V, float thread_ma
 // over them and the draw: -1 when they hold less than top_p of the row's mass (only without a top-k,
 // when the nucleus is wider than the gather).
 __device__ __forceinline__ int draw_from_gathered(uint64_t* key, int n, int k, float p, float z_row, float mx,
-                                                  float inv_t, uint64_t seed, int pos, float* scan, int* cut,
+                                                  float inv_t, float temp, uint64_t seed, int pos, float* scan, int* cut,
                                                   ArgMax* red, float* fred) {
   const int t = threadIdx.x;
   const uint64_t mine = t < n ? key[t] : 0;
@@ -248,18 +256,19 @@ __device__ __forceinline__ int draw_from_gathered(uint64_t* key, int n, int k, f
   if (p < 1.f) {
     const float c = block_scan(in ? __expf((v - mx) * inv_t) : 0.f, fred);  // in sorted order, like the reference
     scan[t] = c;
-    if (t == 0) *cut = -1;
+    if (t == 0) *cut = INT_MAX;
     __syncthreads();
     const float target = p * (k > 0 ? scan[m - 1] : z_row);  // (the last survivor's sum: reached)
-    if (in && c >= target && (t == 0 || scan[t - 1] < target)) *cut = t;  // the first to reach it
+    // the first to reach it (the tree sums of neighbours may round out of order: the lowest place wins)
+    if (in && c >= target) atomicMin(cut, t);
     __syncthreads();
-    if (*cut < 0) return -1;
+    if (*cut == INT_MAX) return -1;
     cut_key = (uint32_t)(key[*cut] >> 32);  // ties at the cut are kept
   }
   ArgMax draw{-INFINITY, 0x7fffffff};
   if (in && (uint32_t)(key[t] >> 32) >= cut_key) {
     const int id = key_id(key[t]);
-    draw = ArgMax{v * inv_t + gumbel(seed, pos, id), id};
+    draw = ArgMax{score(v, temp, seed, pos, id), id};
   }
   return block_argmax(draw, red).i;
 }
@@ -316,15 +325,16 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
     if (k > 0 ? k <= kThreads : p < 1.f) {
       const int n = k > 0 ? gather_top<false>(l, V, m_t, k, key, &s_count, fred, mx, inv_t, &s_z)
                           : gather_top<true>(l, V, m_t, 256, key, &s_count, fred, mx, inv_t, &s_z);
-      if (n >= 0) token = draw_from_gathered(key, n, k, p, s_z, mx, inv_t, seed, pos, scan, &s_cut, red, fred);
+      if (n >= 0) token = draw_from_gathered(key, n, k, p, s_z, mx, inv_t, temp, seed, pos, scan, &s_cut, red, fred);
     }
     if (token < 0) {  // radix selects over the whole row: many ties, a large top-k, a wide nucleus, or neither
       const uint32_t floor_key =
           k > 0 ? radix_select<false>(vocab_v, V, 0, (float)k, mx, inv_t, whist, hist, &sprefix, &srem) : 0u;
-      token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, seed, pos, red, fred, whist, hist, &sprefix,
-                           &srem);
+      token = nucleus_draw(vocab_v, vocab_id, V, floor_key, p, mx, inv_t, temp, seed, pos, red, fred, whist, hist,
+                           &sprefix, &srem);
     }
   }
+  if (token < 0 || token >= V) token = 0;  // a row of -inf or NaN only: no maximum (the reference's argmax: 0)
   if (threadIdx.x == 0) {
     a.tokens[row] = token;
     a.logprobs[row] = l[token] - lse;
