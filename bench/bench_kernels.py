@@ -14,7 +14,8 @@ import json
 BW = 4.21e12  # measured device-to-device copy rate of the lent H200 (BENCHMARKS.md)
 SHAPES = {  # name: (N, K, prologue, epilogue); prologue 1 = RMSNorm; epilogue 1 = residual add, 2 = fp32, 3 = SiLU·up
     "4b.qkv": (6144, 2560, 1, 0), "4b.o": (2560, 4096, 0, 1), "4b.gate_up": (19456, 2560, 1, 3),
-    "4b.down": (2560, 9728, 0, 1), "4b.lm_head": (151936, 2560, 1, 2),
+    "4b.down": (2560, 9728, 0, 1), "4b.lm_head": (151936, 2560, 1, 2), "8b.o": (4096, 4096, 0, 1),
+    "8b.down": (4096, 12288, 0, 1),
     "32b.gate_up": (51200, 5120, 1, 3), "32b.down": (5120, 25600, 0, 1),
 }
 CHAINS = {  # one decoder layer's projections (qkv, o, gate_up, down) and the layer count
@@ -44,18 +45,22 @@ def attention(a, _engine) -> list:
 
 def chain(a, _engine) -> list:
     """The GEMV chain per model and row count, for each PDL setting asked for."""
+    from bench_engine import apply_knobs, knob_settings
     rows = []
-    print(f"{'model':6} {'M':>2} {'pdl':>3} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
-    for model in a.chain.split(","):
-        shapes, layers = CHAINS[model]
-        floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
-        for M in (int(m) for m in a.rows.split(",")):
-            for pdl in (int(v) for v in a.pdl.split(",")):
-                _engine.ops.set_pdl(bool(pdl))
-                us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
-                rows.append({"model": model, "M": M, "pdl": pdl, "floor_us": floor, "graph_us": us, "layers": layers})
-                print(f"{model:6} {M:2d} {pdl:3d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% {us / layers:9.2f}",
-                      flush=True)
+    print(f"{'knobs':16} {'model':6} {'M':>2} {'pdl':>3} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
+    for setting, pairs in knob_settings(a.knobs):
+        apply_knobs(_engine.ops, pairs)
+        for model in a.chain.split(","):
+            shapes, layers = CHAINS[model]
+            floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
+            for M in (int(m) for m in a.rows.split(",")):
+                for pdl in (int(v) for v in a.pdl.split(",")):
+                    _engine.ops.set_pdl(bool(pdl))
+                    us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
+                    rows.append({"knobs": setting, "model": model, "M": M, "pdl": pdl, "floor_us": floor, "graph_us": us,
+                                 "layers": layers})
+                    print(f"{setting:16} {model:6} {M:2d} {pdl:3d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% "
+                          f"{us / layers:9.2f}", flush=True)
     _engine.ops.set_pdl(True)
     return rows
 
@@ -69,7 +74,7 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
-    ap.add_argument("--knobs", default="", help="--attention: experiment switches as 'name=value,...' calls of "
+    ap.add_argument("--knobs", default="", help="--attention, --chain: experiment switches as 'name=value,...' calls of "
                     "_engine.ops, settings separated by ';' timed in turn (e.g. 'attention_key_warps=0;attention_key_warps=1')")
     a = ap.parse_args()
     a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")

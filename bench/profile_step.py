@@ -1,7 +1,9 @@
-"""One eager decode step of a random-weight model under `ncu --profile-from-start off`: per-kernel times.
+"""One decode step of a random-weight model between profiler start and stop: per-kernel times of an
+eager step under ncu, or (--graph) the replayed CUDA graph's kernels on a timeline under nsys.
 
   ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
       python bench/profile_step.py --preset qwen3-4b --batch 1 --ctx 1024
+  python bench/profile_step.py --graph --steps 4 --trace step.json   # CUPTI through torch.profiler
 """
 from __future__ import annotations
 
@@ -17,20 +19,32 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--graph", action="store_true", help="replay the decode CUDA graph (default: eager)")
+    ap.add_argument("--steps", type=int, default=1, help="steps between profiler start and stop")
+    ap.add_argument("--trace", default=None, help="write the steps' kernels as a Chrome trace (needs torch: "
+                    "its profiler reads CUPTI, graph nodes included; a benchmark-only dependency)")
     a = ap.parse_args()
     import openinfer
     from openinfer import _engine
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
-                           max_num_seqs=max(8, a.batch), cuda_graph=False)
+                           max_num_seqs=max(8, a.batch), cuda_graph=a.graph)
     r = Runner(eng.llm_engine.backend, 151936)
     seqs = [r.alloc(a.ctx + 8) for _ in range(a.batch)]
     for s in seqs:
         r.step([(s, 0, a.ctx - 1)])
     for i in range(3):
         r.step([(s, a.ctx - 1 + i, 1) for s in seqs])
+    if a.trace:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for i in range(a.steps):
+                r.step([(s, a.ctx + 2 + i, 1) for s in seqs])
+        prof.export_chrome_trace(a.trace)
+        return
     _engine.profiler_start()
-    r.step([(s, a.ctx + 2, 1) for s in seqs])
+    for i in range(a.steps):
+        r.step([(s, a.ctx + 2 + i, 1) for s in seqs])
     _engine.profiler_stop()
 
 

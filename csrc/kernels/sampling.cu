@@ -210,6 +210,38 @@ __device__ __forceinline__ float block_scan(float v, float* red) {
   return warp > 0 ? v + red[warp - 1] : v;
 }
 
+// Calls f(v, i) for this thread's elements of a row, in increasing i, with kRowLoads 16-byte loads in
+// flight per thread. One block reads a row of 152k logits: with one scalar load at a time per thread the
+// pass was latency-bound (the greedy sampler added 40 us to a 4B batch-1 step, 18 us now). Rows not
+// 16-byte aligned or sized take scalar loads.
+constexpr int kRowLoads = 8;
+template <typename F>
+__device__ __forceinline__ void for_row(const float* l, int V, F&& f) {
+  if ((V & 3) != 0 || (reinterpret_cast<uintptr_t>(l) & 15) != 0) {
+    for (int i = threadIdx.x; i < V; i += kThreads) f(l[i], i);
+    return;
+  }
+  const float4* l4 = reinterpret_cast<const float4*>(l);
+  const int V4 = V >> 2;
+  for (int j0 = threadIdx.x; j0 < V4; j0 += kRowLoads * kThreads) {
+    float4 v[kRowLoads];
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int j = j0 + u * kThreads;
+      v[u] = j < V4 ? l4[j] : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int j = j0 + u * kThreads;
+      if (j >= V4) break;
+      f(v[u].x, 4 * j);
+      f(v[u].y, 4 * j + 1);
+      f(v[u].z, 4 * j + 2);
+      f(v[u].w, 4 * j + 3);
+    }
+  }
+}
+
 // Gathers the logits at or above the rank-th largest of the threads' maxima (rank <= kThreads): at
 // least `rank` of them, and every logit that can be among the top `rank`. Into key[] in no particular
 // order; returns how many, or -1 when more than kThreads tie or crowd above the pivot. With kSum, also
@@ -221,15 +253,14 @@ __device__ __forceinline__ int gather_top(const float* l, int V, float thread_ma
   if (threadIdx.x == 0) *count = 0;
   __syncthreads();
   float sum = 0.f;
-  for (int i = threadIdx.x; i < V; i += kThreads) {
-    const float v = l[i];
+  for_row(l, V, [&](float v, int i) {
     const uint32_t k = fkey(v);
     if (k >= pivot) {
       const int c = atomicAdd(count, 1);
       if (c < kThreads) key[c] = pack(k, i);
     }
     if constexpr (kSum) sum += __expf((v - mx) * inv_t);
-  }
+  });
   if constexpr (kSum) *z = block_sum(sum, red);
   __syncthreads();
   const int n = *count;
@@ -294,15 +325,14 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
   // maximum, rescaled when the maximum moves (ties keep the first, lowest id).
   ArgMax best{-INFINITY, 0x7fffffff};
   float se = 0.f;
-  for (int i = threadIdx.x; i < V; i += kThreads) {
-    const float v = l[i];
+  for_row(l, V, [&](float v, int i) {
     if (v > best.v) {
       se = se * __expf(best.v - v) + 1.f;
       best = ArgMax{v, i};
     } else if (v > -INFINITY) {
       se += __expf(v - best.v);
     }
-  }
+  });
   const float m_t = best.v;
   best = block_argmax(best, red);
   const float mx = best.v;
@@ -356,10 +386,9 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
   ArgMax prev{INFINITY, -1};
   for (int r = 0; r < a.num_logprobs; ++r) {
     ArgMax c{-INFINITY, 0x7fffffff};
-    for (int i = threadIdx.x; i < V; i += kThreads) {
-      const float v = l[i];
+    for_row(l, V, [&](float v, int i) {
       if (v < prev.v || (v == prev.v && i > prev.i)) c = better(c, ArgMax{v, i});
-    }
+    });
     c = block_argmax(c, red);
     if (threadIdx.x == 0) {
       a.top_ids[(int64_t)row * a.num_logprobs + r] = c.i;

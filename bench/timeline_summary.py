@@ -1,0 +1,53 @@
+"""Where a replayed decode step's time goes, from a kernel timeline (bench/profile_step.py --graph --trace).
+
+  python bench/profile_step.py --graph --steps 4 --trace step.json
+  python bench/timeline_summary.py step.json
+
+Under programmatic dependent launch a kernel starts before its predecessor ends, so durations overlap;
+what each kernel adds to the step is its end minus the previous kernel's end (the marginal time), and
+the marginals of a step sum to its span.
+"""
+from __future__ import annotations
+
+import collections
+import gzip
+import json
+import sys
+
+from ncu_summary import short_name
+
+
+def main(path: str) -> None:
+    events = json.load(gzip.open(path) if path.endswith(".gz") else open(path))["traceEvents"]  # Chrome trace: ts and dur in us
+    kern = sorted((int(e["ts"] * 1e3), int(e["dur"] * 1e3), short_name(e["name"])) for e in events
+                  if e.get("cat") == "kernel")
+    steps, cur = [], []
+    for k in kern:  # a decode step begins with the embedding lookup (another gathers the sampled rows later)
+        if "embedding" in k[2] and cur and "sample" in cur[-1][2]:
+            steps.append(cur)
+            cur = []
+        cur.append(k)
+    steps.append(cur)
+    steps = [s for s in steps if any("embedding" in k[2] for k in s)]
+    marg = collections.defaultdict(list)
+    dur = collections.defaultdict(list)
+    for s in steps:
+        prev_end, prev = s[0][0], "step start"
+        for st, d, short in s:
+            name, prev = f"{short} after {prev}", short  # o and down share one kernel: told apart by what precedes
+            end = st + d
+            marg[name].append(max(0, end - prev_end) / 1e3)
+            dur[name].append(d / 1e3)
+            prev_end = max(prev_end, end)
+    n = len(steps)
+    spans = [(max(k[0] + k[1] for k in s) - s[0][0]) / 1e3 for s in steps]
+    print(f"{n} steps, span us: " + ", ".join(f"{x:.1f}" for x in spans))
+    print(f"{'kernel (after kernel)':72} {'per step':>8} {'mean us':>8} {'marginal us':>11} {'marginal/step':>13}")
+    for name in sorted(marg, key=lambda k: -sum(marg[k])):
+        c = len(marg[name]) / n
+        print(f"{name[:72]:72} {c:8.0f} {sum(dur[name]) / len(dur[name]):8.2f} {sum(marg[name]) / len(marg[name]):11.2f} "
+              f"{sum(marg[name]) / n:13.1f}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
