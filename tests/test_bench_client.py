@@ -283,3 +283,30 @@ def test_cli_writes_result_json(fake_server, tmp_path):
         assert k in res
     assert res["total_input_tokens"] == 3 * 32
     assert "hostname" in res["machine"]
+
+
+def test_timeline_marginals_add_up_to_the_step():
+    """bench/timeline_summary.py: kernels that overlap (programmatic dependent launch) are charged only
+    for what they add past the latest end before them; steps split at the step's embedding kernel."""
+    import timeline_summary as ts
+    us = 1000  # ns
+    kern = [  # (start, duration, name): two steps, the second embedding of each gathers the sampled rows
+        (0, 2 * us, "embedding_kernel"), (1 * us, 10 * us, "gemv_kernel<1, 1, 0>"),
+        (5 * us, 4 * us, "qk_norm_rope_kv_kernel"),  # ends inside its predecessor: marginal 0
+        (9 * us, 6 * us, "gemv_kernel<1, 0, 1>"), (15 * us, 1 * us, "embedding_kernel"),
+        (16 * us, 20 * us, "gemv_kernel<1, 1, 2>"), (30 * us, 10 * us, "sample_kernel"),
+        (50 * us, 2 * us, "embedding_kernel"), (52 * us, 10 * us, "gemv_kernel<1, 1, 0>"),
+        (62 * us, 1 * us, "embedding_kernel"), (63 * us, 5 * us, "gemv_kernel<1, 1, 2>"),
+        (67 * us, 3 * us, "sample_kernel"),
+    ]
+    steps = ts.split_steps(kern)
+    assert [len(s) for s in steps] == [7, 5]
+    spans, marg, dur = ts.marginals(steps)
+    assert spans == [40.0, 20.0]
+    assert marg["qk_norm_rope_kv_kernel after gemv_kernel<1, 1, 0>"] == [0.0]
+    assert marg["gemv_kernel<1, 0, 1> after qk_norm_rope_kv_kernel"] == [4.0]  # 15 - 11
+    assert marg["sample_kernel after gemv_kernel<1, 1, 2>"] == [4.0, 2.0]
+    assert dur["sample_kernel after gemv_kernel<1, 1, 2>"] == [10.0, 3.0]
+    for step, span in zip(steps, spans):  # each step's marginals add up to its span
+        (one,), m, _ = ts.marginals([step])
+        assert one == span and abs(sum(sum(v) for v in m.values()) - span) < 1e-9
