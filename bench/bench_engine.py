@@ -1,7 +1,9 @@
 """Engine-level speed: decode step time by batch size at a given context, and prefill time.
 
 Drives the CUDA backend's step() directly (no scheduler, no HTTP), so it measures the engine: wall time
-per step (Python + metadata copy + GPU + result copy) and GPU time per step (CUDA events).
+per step (Python + metadata copy + GPU + result copy) and GPU time per step (CUDA events). Decode rows
+also give the overlapped time per step: the same steps run as the server runs them, step i + 1 queued
+(its tokens fed from step i on the device) before step i's result is read, timed between collects.
 
   python bench/bench_engine.py --preset qwen3-4b --ctx 1024 --batches 1,8,32,64 --out bench/results/engine.json
 
@@ -79,13 +81,14 @@ class Runner:
         self.next_block += n
         return out
 
-    def step(self, seqs, sample_last=True):
-        """seqs: list of (block ids, first new position, number of new tokens)."""
+    def args(self, seqs) -> dict:
+        """seqs: list of (block ids, first new position, number of new tokens) -> the backend's step
+        arguments (random token ids; the last token of each sequence samples)."""
         ids, pos, qsl, ctx, slots, sample = [], [], [0], [], [], []
         M = max(len(b) for b, _, _ in seqs)
         bt = np.zeros((len(seqs), M), np.int32)
         for i, (blocks, p0, n) in enumerate(seqs):
-            ids.append(self.rng.integers(0, 151643, n, dtype=np.int32))
+            ids.append(self.rng.integers(0, min(self.vocab, 151643), n, dtype=np.int32))
             pos.append(np.arange(p0, p0 + n, dtype=np.int32))
             b = np.asarray(blocks, np.int32)
             slots.append(b[pos[-1] // 16] * 16 + pos[-1] % 16)
@@ -95,12 +98,33 @@ class Runner:
             sample.append(qsl[-1] - 1)
         S = len(sample)
         temp, top_p, top_k = self.sampling
+        return dict(input_ids=np.concatenate(ids), positions=np.concatenate(pos),
+                    query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32), block_tables=bt,
+                    slot_mapping=np.concatenate(slots).astype(np.int32), sample_idx=np.array(sample, np.int32),
+                    temperature=np.full(S, temp, np.float32), top_p=np.full(S, top_p, np.float32),
+                    top_k=np.full(S, top_k, np.int32), seeds=np.arange(S, dtype=np.uint64))
+
+    def step(self, seqs):
+        """One synchronous step: (wall ms, GPU ms)."""
+        args = self.args(seqs)
         t0 = time.perf_counter()
-        self.b.step(np.concatenate(ids), np.concatenate(pos), np.array(qsl, np.int32), np.array(ctx, np.int32), bt,
-                    np.concatenate(slots).astype(np.int32), np.array(sample, np.int32),
-                    np.full(S, temp, np.float32), np.full(S, top_p, np.float32), np.full(S, top_k, np.int32),
-                    np.arange(S, dtype=np.uint64))
-        return (time.perf_counter() - t0) * 1e3, self.b.last_gpu_ms
+        self.b.step(**args)
+        return (time.perf_counter() - t0) * 1e3, getattr(self.b, "last_gpu_ms", float("nan"))
+
+    def overlapped(self, seqs_of, steps: int) -> tuple[list[float], list[np.ndarray]]:
+        """Decode steps seqs_of(0..steps-1) (one token per sequence) as the server runs them: step i + 1
+        is queued, its tokens fed on the device from step i, before step i's result is read. Returns
+        the ms between consecutive collects (steps - 2 of them) and every step's sampled tokens."""
+        first = seqs_of(0)
+        feed = np.arange(len(first), dtype=np.int32)  # row b takes the previous step's row-b token
+        self.b.launch(**self.args(first))
+        done, tokens = [], []
+        for i in range(1, steps):
+            self.b.launch(**self.args(seqs_of(i)), prev_rows=feed)
+            tokens.append(self.b.collect().tokens)
+            done.append(time.perf_counter())
+        tokens.append(self.b.collect().tokens)
+        return [(b - a) * 1e3 for a, b in zip(done, done[1:])], tokens
 
 
 def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str,
@@ -109,7 +133,7 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
 
     t0 = time.perf_counter()
     eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
-                           max_model_len=max(ctx + steps + 16, prefill_len + 16), pdl=pdl != "0")
+                           max_model_len=max(ctx + 2 * steps + 16, prefill_len + 16), pdl=pdl != "0")
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size, sampling=sampling)
     rows = []
@@ -123,7 +147,7 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
                  "gpu_ms_median": statistics.median(g for _, g in pre), "engine_init_s": init_s})
     print(json.dumps(rows[-1]), flush=True)
     for B in batches:
-        seqs = [r.alloc(ctx + steps + 2) for _ in range(B)]
+        seqs = [r.alloc(ctx + 2 * steps + 2) for _ in range(B)]
         done = 0
         chunk = max(1, 8192 // ctx)
         while done < B:  # fill each sequence's cache with a real prefill
@@ -135,14 +159,17 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
             if i >= 3:  # warm-up
                 walls.append(w)
                 gpus.append(g)
+        # the same steps overlapped, on the positions after the synchronous ones
+        over = r.overlapped(lambda i: [(s, ctx - 1 + steps + i, 1) for s in seqs], steps)[0][3:]
         row = {"preset": preset, "pdl": pdl, "what": "decode", "sampling": sampling, "batch": B, "ctx": ctx,
                "steps": len(walls),
                "wall_ms_median": statistics.median(walls), "gpu_ms_median": statistics.median(gpus),
-               "wall_ms_p90": float(np.percentile(walls, 90))}
+               "wall_ms_p90": float(np.percentile(walls, 90)), "overlapped_ms_median": statistics.median(over)}
         row["cpu_overhead_ms"] = row["wall_ms_median"] - row["gpu_ms_median"]
         if B == 1 and preset in FLOOR_MS:
             row["floor_ms"] = FLOOR_MS[preset]
             row["ratio_to_floor"] = row["wall_ms_median"] / FLOOR_MS[preset]
+            row["overlapped_ratio_to_floor"] = row["overlapped_ms_median"] / FLOOR_MS[preset]
         rows.append(row)
         print(json.dumps(row), flush=True)
         r.next_block = blocks[-1] + 1  # reuse the pool for the next batch size
@@ -192,10 +219,12 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'preset':10} {'pdl':3} {'knobs':24} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8}")
+    print(f"{'preset':10} {'pdl':3} {'knobs':24} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8} "
+          f"{'overlap ms':>10}")
     for r in rows:
         print(f"{r['preset']:10} {r['pdl']:3} {r.get('knobs', ''):24} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
-              f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f}")
+              f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f} "
+              f"{r.get('overlapped_ms_median', float('nan')):10.3f}")
 
 
 if __name__ == "__main__":
