@@ -308,5 +308,5 @@ def test_timeline_marginals_add_up_to_the_step():
     assert marg["sample_kernel after gemv_kernel<1, 1, 2>"] == [4.0, 2.0]
     assert dur["sample_kernel after gemv_kernel<1, 1, 2>"] == [10.0, 3.0]
     for step, span in zip(steps, spans):  # each step's marginals add up to its span
-        (one,), m, _ = ts.marginals([step])
-        assert one == span and abs(sum(sum(v) for v in m.values()) - span) < 1e-9
+        _, m, _ = ts.marginals([step])
+        assert abs(sum(sum(v) for v in m.values()) - span) < 1e-9

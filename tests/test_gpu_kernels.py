@@ -311,6 +311,32 @@ def test_sampling_greedy_ties_and_seed_reproducible():
     np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("vocab", [V, V - 1])
+def test_sampling_row_layouts_and_ties(vocab):
+    """The row passes read float4 with several loads in flight per thread (V a multiple of 4) or scalars
+    (any other V); greedy ties go to the lowest id inside one float4, across one thread's loads and
+    across threads, and both layouts draw what the reference draws."""
+    rng = np.random.default_rng(vocab)
+    S = 6
+    logits = (rng.standard_normal((S, vocab)) * 3.0).astype(np.float32)
+    logits[0, [9, 8]] = 100.0  # one float4 (elements 8..11)
+    logits[1, [40 + 32768, 40 + 4096, 40]] = 100.0  # one thread: the same lane, later loads
+    logits[2, [4 * 1023 + 3, 4 * 5]] = 100.0  # two threads
+    temp = np.array([0.0, 0.0, 0.0, 0.7, 0.7, 1.0], np.float32)
+    top_p = np.array([1.0, 1.0, 1.0, 0.95, 0.6, 1.0], np.float32)
+    top_k = np.array([0, 0, 0, 20, 0, 1000], np.int32)
+    seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
+    pos = rng.integers(0, 40000, S).astype(np.int32)
+    tok, lp, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, 4)
+    assert list(tok[:3]) == [8, 40, 20]
+    np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
+    lsm = ref.log_softmax(logits)
+    np.testing.assert_allclose(lp, lsm[np.arange(S), tok], rtol=1e-5, atol=1e-4)
+    want_ids, want_lps = ref.top_logprobs(lsm, 4)
+    np.testing.assert_array_equal(top_ids, want_ids)
+    np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
+
+
 def test_sampling_signed_zero_and_rows_without_a_maximum():
     """-0 ties with +0 (top-k 1 keeps both, as the reference does), and a row of -inf only (no maximum)
     gives token 0 instead of reading past the row."""
