@@ -259,15 +259,23 @@ def test_sampling_matches_reference(S):
     top_p = rng.choice([1.0, 0.9, 0.5, 0.05], S).astype(np.float32)
     top_k = rng.choice([0, 1, 20, 1000], S).astype(np.int32)
     temp[0], top_p[0], top_k[0] = 0.8, 0.95, 20  # the releases' defaults in row 0
+    _sample_like_reference(rng, logits, temp, top_p, top_k, 5)
+
+
+def _sample_like_reference(rng, logits, temp, top_p, top_k, num_logprobs):
+    """Samples with random seeds and positions; tokens, their logprobs and the top logprobs must be the
+    reference's. Returns the tokens."""
+    S = len(logits)
     seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
     pos = rng.integers(0, 40000, S).astype(np.int32)
-    tok, lp, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, 5)
+    tok, lp, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, num_logprobs)
     np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
     lsm = ref.log_softmax(logits)
     np.testing.assert_allclose(lp, lsm[np.arange(S), tok], rtol=1e-5, atol=1e-4)
-    want_ids, want_lps = ref.top_logprobs(lsm, 5)
+    want_ids, want_lps = ref.top_logprobs(lsm, num_logprobs)
     np.testing.assert_array_equal(top_ids, want_ids)
     np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
+    return tok
 
 
 def test_sampling_gather_and_whole_row_paths():
@@ -325,16 +333,8 @@ def test_sampling_row_layouts_and_ties(vocab):
     temp = np.array([0.0, 0.0, 0.0, 0.7, 0.7, 1.0], np.float32)
     top_p = np.array([1.0, 1.0, 1.0, 0.95, 0.6, 1.0], np.float32)
     top_k = np.array([0, 0, 0, 20, 0, 1000], np.int32)
-    seeds = rng.integers(0, 2**63, S, dtype=np.uint64)
-    pos = rng.integers(0, 40000, S).astype(np.int32)
-    tok, lp, top_ids, top_lps = ops().sample(logits, temp, top_p, top_k, seeds, pos, 4)
+    tok = _sample_like_reference(rng, logits, temp, top_p, top_k, 4)
     assert list(tok[:3]) == [8, 40, 20]
-    np.testing.assert_array_equal(tok, ref.sample(logits, temp, top_p, top_k, seeds, pos))
-    lsm = ref.log_softmax(logits)
-    np.testing.assert_allclose(lp, lsm[np.arange(S), tok], rtol=1e-5, atol=1e-4)
-    want_ids, want_lps = ref.top_logprobs(lsm, 4)
-    np.testing.assert_array_equal(top_ids, want_ids)
-    np.testing.assert_allclose(top_lps, want_lps, rtol=1e-5, atol=1e-4)
 
 
 def test_sampling_signed_zero_and_rows_without_a_maximum():
