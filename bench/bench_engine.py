@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -205,10 +206,12 @@ def main() -> None:
                 for r in got:
                     r["knobs"] = setting
                 rows += got
+    # The tree the engine was built from (bench/build_wheel.sh, via device_setup.sh), else this checkout's.
+    commit = os.environ.get("OPENINFER_TREE", "")
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
-        commit = ""
+        pass
     try:
         gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                              text=True).stdout.strip()

@@ -11,3 +11,5 @@ for n in z.namelist():
             shutil.copyfileobj(src, dst)
 PY
 export PYTHONPATH=$PWD/src:/tmp/site:$PWD/tests
+# The tree the carried wheel was built from (bench/build_wheel.sh): what benchmarks record as their commit.
+[ -f .whl/COMMIT ] && export OPENINFER_TREE=$(cat .whl/COMMIT)
