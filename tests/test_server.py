@@ -245,6 +245,10 @@ def test_chat_template_options_reach_prompt(server):
     p = text(tokenize(server, messages=USER, tools=tools,
                       tool_choice={"type": "function", "function": {"name": "get_weather"}}))
     assert p.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    # any variable name is the template's, "self" too (it collided with a Python parameter: a 500)
+    same = text(tokenize(server, messages=USER, chat_template_kwargs={"self": 1, "enable_thinking": False}))
+    assert same == text(tokenize(server, messages=USER, chat_template_kwargs={"enable_thinking": False}))
+    assert post(server, "/v1/chat/completions", dict(OK_CH, chat_template_kwargs={"self": 1})).status_code == 200
 
 
 def test_chat_with_tools_real_engine(server, client):
@@ -390,6 +394,10 @@ def test_engine_exception_fails_request_not_server(server, client):
 
 
 C, CH = "/v1/completions", "/v1/chat/completions"
+def _assistant_call(arguments: str) -> dict:
+    return {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": arguments}}]}
+
+
 OK_C = {"model": NAME, "prompt": "hi", "max_tokens": 2}
 OK_CH = {"model": NAME, "messages": USER, "max_tokens": 2}
 
@@ -455,6 +463,11 @@ BAD = [  # (path, body or raw bytes, status, param)
     (CH, dict(OK_CH, response_format={"type": "json_object"}), 400, "response_format"),
     (CH, dict(OK_CH, chat_template_kwargs={"enable_thinking": "no"}), 400, "chat_template_kwargs"),
     (CH, dict(OK_CH, n=3), 400, "n"),
+    # tool-call arguments the server decodes itself: too deep, an integer past Python's digit limit, an
+    # escaped lone surrogate (found by a fuzzing pass: each was a 500)
+    (CH, dict(OK_CH, messages=USER + [_assistant_call("[" * 5000 + "]" * 5000)]), 400, "messages[1].tool_calls[0]"),
+    (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": ' + "9" * 5000 + "}")]), 400, "messages[1].tool_calls[0]"),
+    (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": "\\ud800"}')]), 400, "messages"),
     (CH, dict(OK_CH, model="nope"), 404, "model"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),

@@ -83,16 +83,26 @@ class ChatTemplate:
         return cls(source)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
-               add_generation_prompt: bool = True, **kwargs: Any) -> str:
+               add_generation_prompt: bool = True, extra: dict[str, Any] | None = None, **kwargs: Any) -> str:
+        """`extra`: a client's template variables (any names: "self" too), under messages, tools,
+        add_generation_prompt and kwargs."""
+        # One mapping, so that no variable name can collide with a Python parameter (jinja2's "self").
+        context = {**(extra or {}), **kwargs, "messages": messages, "tools": tools or None,
+                   "add_generation_prompt": add_generation_prompt}
         try:
-            return self._template.render(messages=messages, tools=tools or None,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+            prompt = self._template.render(context)
         except jinja2.exceptions.TemplateError as e:
             raise ChatError(f"chat template error: {e}", "messages") from e
         except (TypeError, AttributeError, KeyError, IndexError) as e:
             # A message shape the template did not expect: the client's input, not our crash.
             raise ChatError(f"messages cannot be rendered by the chat template: {e}",
                             "messages") from e
+        try:  # a lone surrogate can arrive escaped inside a string the server decodes (tool-call arguments)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ChatError("messages contain text that is not valid Unicode (a lone surrogate)",
+                            "messages") from None
+        return prompt
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -130,7 +140,7 @@ def _normalize_tool_call(tc: Any, where: str) -> dict:
     if isinstance(args, str):
         try:  # normalise to a dict so the template writes canonical JSON
             parsed = json.loads(args) if args.strip() else {}
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # bad JSON, too deep, or an integer past Python's digit limit
             raise ChatError(f"{where}.function.arguments is not valid JSON", where) from None
         args = parsed
     if not isinstance(args, dict):

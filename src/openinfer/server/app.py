@@ -328,7 +328,7 @@ def _render_chat(st: ServerState, req) -> tuple[str, dict]:
     if req.named_tool and tools:  # the model sees only the function it must call
         tools = [t for t in tools if t["function"]["name"] == req.named_tool]
     prompt = st.template.render(messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                enable_thinking=req.enable_thinking, **req.template_kwargs)
+                                extra=req.template_kwargs, enable_thinking=req.enable_thinking)
     tail = prompt.rstrip()
     reasoning = not tail.endswith(THINK_END)  # enable_thinking=False closed the block already
     prefill = ""
