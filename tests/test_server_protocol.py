@@ -37,6 +37,9 @@ def test_chat_fields():
     ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
     ({"prompt": ["a"] * 65}, "prompt"),
     ({"prompt": [[1], "a"]}, "prompt"),
+    ({"prompt": "x", "presence_penalty": False}, "presence_penalty"),  # a boolean is not the number 0
+    ({"prompt": "x", "repetition_penalty": True}, "repetition_penalty"),
+    ({"prompt": "x", "echo": 0}, "echo"),
 ])
 def test_rejections_name_the_field(body, param):
     with pytest.raises(APIError) as e:

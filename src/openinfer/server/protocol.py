@@ -97,9 +97,15 @@ class GenParams:
     include_usage: bool
 
 
+def _same(v, d) -> bool:
+    """v == d, where a boolean matches only a boolean (in Python False == 0 and True == 1)."""
+    return v == d and (isinstance(v, bool) == isinstance(d, bool))
+
+
 def _check_unsupported(body: dict, table: dict) -> None:
+    """An unsupported field passes only at its neutral value."""
     for name, defaults in table.items():
-        if name in body and body[name] is not None and body[name] not in defaults:
+        if name in body and body[name] is not None and not any(_same(body[name], d) for d in defaults):
             raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
