@@ -357,6 +357,29 @@ def test_never_fitting_request_refused_at_once_while_others_complete(server, cli
     assert results == ["length"] * 4
 
 
+def test_multi_prompt_request_refused_midway_leaves_nothing(server, client):
+    """The prompts of a request are submitted together; when one is refused (here the queue fills
+    after two), the request is a 503 and the admitted ones are aborted: no request or block stays."""
+    sched = server.engine.scheduler
+    old = sched.max_waiting
+    sched.max_waiting = 2  # test hook
+    try:
+        r = post(server, "/v1/completions", {"prompt": ["a b", "c d", "e f", "g h", "i j"], "max_tokens": 4})
+    finally:
+        sched.max_waiting = old
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        st = server.engine.stats()
+        idle = (st["kv_blocks_used"], st["kv_blocks_promised"], st["num_waiting"], st["num_running"])
+        if idle == (0, 0, 0, 0):
+            break
+        time.sleep(0.05)
+    assert idle == (0, 0, 0, 0), st
+    ok = post(server, "/v1/completions", {"prompt": ["a b", "c d", "e f"], "max_tokens": 2})
+    assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1, 2]
+
+
 def test_queue_full_is_503_with_retry_after(server, client):
     sched = server.engine.scheduler
     old = sched.max_waiting

@@ -142,8 +142,7 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error", code="engine_dead") from None
     try:
-        for i, ids in enumerate(prompts):
-            await group.add(i, ids, params)
+        await group.add(prompts, params)
     except EngineDeadError as e:
         group.close()
         raise APIError(503, str(e), type="server_error", code="engine_dead") from None

@@ -53,18 +53,26 @@ class RequestGroup:
         except RuntimeError:  # event loop closed: the server is shutting down
             pass
 
-    async def add(self, index: int, prompt_token_ids: list[int], params: Any) -> str:
-        """Submits one request; raises the engine's admission error (RequestRejected, QueueFull)."""
-        rid = f"{self._prefix}-{index}"
-        fut = self._loop.create_future()
-        self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
-        self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
-        while not (await asyncio.wait({fut}, timeout=1.0))[0]:
-            if not self._engine.alive:  # the loop died before reading our message
+    async def add(self, prompts: list[list[int]], params: Any) -> None:
+        """Submits one request per prompt (index = position), all before waiting, so the engine loop
+        admits them in one pass (one at a time took an engine step each: a 64-prompt request under
+        load queued for 64 steps). Raises the first admission error in prompt order (RequestRejected,
+        QueueFull); close() then aborts whatever was admitted."""
+        futs = []
+        for index, prompt_token_ids in enumerate(prompts):
+            rid = f"{self._prefix}-{index}"
+            fut = self._loop.create_future()
+            self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
+            self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
+            futs.append(fut)
+        pending = set(futs)
+        while pending:
+            _, pending = await asyncio.wait(pending, timeout=1.0)
+            if pending and not self._engine.alive:  # the loop died before reading our messages
                 raise EngineDeadError("the engine loop is not running")
-        fut.result()  # raises the admission error, if any
-        self._open += 1
-        return rid
+        for fut in futs:
+            fut.result()  # raises the admission error, if any
+            self._open += 1
 
     async def updates(self, timeout: float | None = None) -> AsyncIterator[tuple[int, Any]]:
         """(index, RequestUpdate) until every sub-request has finished; raises EngineStepError."""
