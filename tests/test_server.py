@@ -493,6 +493,7 @@ BAD = [  # (path, body or raw bytes, status, param)
     (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": "\\ud800"}')]), 400, "messages"),
     (CH, dict(OK_CH, model="nope"), 404, "model"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"model": 1, "prompt": "a"}, 400, "model"),  # a type error, as on the other routes (was 404)
     ("/detokenize", {"tokens": ["a"]}, 400, "tokens"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),
 ]

@@ -32,7 +32,7 @@ from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
 from .metrics import CONTENT_TYPE, Metrics, RequestTimer
-from .protocol import APIError, GenParams, bad, parse_chat, parse_completion, sampling_defaults
+from .protocol import APIError, GenParams, bad, model_field, parse_chat, parse_completion, sampling_defaults
 
 log = logging.getLogger("openinfer.server")
 
@@ -344,7 +344,7 @@ async def tokenize(st: ServerState, request: Request) -> Response:
     body = await _read_json(request, st.max_body_bytes)
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_model(st, body.get("model"))
+    _check_model(st, model_field(body))
     if "messages" in body:
         req = parse_chat({k: v for k, v in body.items() if k in (
             "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")})
@@ -361,7 +361,7 @@ async def detokenize(st: ServerState, request: Request) -> Response:
     body = await _read_json(request, st.max_body_bytes)
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
-    _check_model(st, body.get("model"))
+    _check_model(st, model_field(body))
     ids = body.get("tokens")
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad("'tokens' must be a list of token ids", "tokens")

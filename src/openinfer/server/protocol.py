@@ -188,7 +188,7 @@ class ChatRequest:
     named_tool: str | None = field(default=None)
 
 
-def _model(body: dict) -> str | None:
+def model_field(body: dict) -> str | None:
     return _opt(body, "model", lambda v: isinstance(v, str), "a string")
 
 
@@ -217,7 +217,7 @@ def parse_completion(body: Any, defaults: dict | None = None) -> CompletionReque
         raise bad("at most 64 prompts per request", "prompt")
     gen = _gen_params(body, chat=False, default_max_tokens=16,  # OpenAI's completions default
                       defaults=defaults)
-    return CompletionRequest(_model(body), prompts, gen)
+    return CompletionRequest(model_field(body), prompts, gen)
 
 
 def parse_chat(body: Any, defaults: dict | None = None) -> ChatRequest:
@@ -263,5 +263,5 @@ def parse_chat(body: Any, defaults: dict | None = None) -> ChatRequest:
         raise bad(f"'chat_template_kwargs' may not set {sorted(reserved)}", "chat_template_kwargs")
     agp = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
     gen = _gen_params(body, chat=True, default_max_tokens=None, defaults=defaults)
-    return ChatRequest(_model(body), messages, tools, tool_choice, thinking,
+    return ChatRequest(model_field(body), messages, tools, tool_choice, thinking,
                        {k: v for k, v in kwargs.items() if k != "enable_thinking"}, agp, gen, named)
