@@ -1,5 +1,6 @@
 """One decode step of a random-weight model between profiler start and stop: per-kernel times of an
-eager step under ncu, or (--graph) the replayed CUDA graph's kernels on a timeline under nsys.
+eager step under ncu, or (--graph --trace) the replayed CUDA graph's kernels on a timeline (CUPTI,
+through torch's profiler: the GPU machine has no nsys).
 
   ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \\
       python bench/profile_step.py --preset qwen3-4b --batch 1 --ctx 1024

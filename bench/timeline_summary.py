@@ -4,7 +4,7 @@
   python bench/timeline_summary.py step.json
 
 Under programmatic dependent launch a kernel starts before its predecessor ends, so durations overlap;
-what each kernel adds to the step is its end minus the previous kernel's end (the marginal time), and
+what each kernel adds to the step is its end minus the latest end before it (the marginal time), and
 the marginals of a step sum to its span.
 """
 from __future__ import annotations

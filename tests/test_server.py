@@ -490,7 +490,7 @@ BAD = [  # (path, body or raw bytes, status, param)
     # escaped lone surrogate (found by a fuzzing pass: each was a 500)
     (CH, dict(OK_CH, messages=USER + [_assistant_call("[" * 5000 + "]" * 5000)]), 400, "messages[1].tool_calls[0]"),
     (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": ' + "9" * 5000 + "}")]), 400, "messages[1].tool_calls[0]"),
-    (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": "\\ud800"}')]), 400, "messages"),
+    (CH, dict(OK_CH, messages=USER + [_assistant_call('{"a": "\\ud800"}')]), 400, "messages[1].tool_calls[0]"),
     (CH, dict(OK_CH, model="nope"), 404, "model"),
     ("/tokenize", {"prompt": 5}, 400, "prompt"),
     ("/tokenize", {"model": 1, "prompt": "a"}, 400, "model"),  # a type error, as on the other routes (was 404)

@@ -90,19 +90,13 @@ class ChatTemplate:
         context = {**(extra or {}), **kwargs, "messages": messages, "tools": tools or None,
                    "add_generation_prompt": add_generation_prompt}
         try:
-            prompt = self._template.render(context)
+            return self._template.render(context)
         except jinja2.exceptions.TemplateError as e:
             raise ChatError(f"chat template error: {e}", "messages") from e
         except (TypeError, AttributeError, KeyError, IndexError) as e:
             # A message shape the template did not expect: the client's input, not our crash.
             raise ChatError(f"messages cannot be rendered by the chat template: {e}",
                             "messages") from e
-        try:  # a lone surrogate can arrive escaped inside a string the server decodes (tool-call arguments)
-            prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ChatError("messages contain text that is not valid Unicode (a lone surrogate)",
-                            "messages") from None
-        return prompt
 
 
 def _text_content(content: Any, where: str) -> str:
@@ -140,7 +134,9 @@ def _normalize_tool_call(tc: Any, where: str) -> dict:
     if isinstance(args, str):
         try:  # normalise to a dict so the template writes canonical JSON
             parsed = json.loads(args) if args.strip() else {}
-        except (ValueError, RecursionError):  # bad JSON, too deep, or an integer past Python's digit limit
+            # the body's own JSON rejects lone surrogates; this JSON is decoded here, so check it here
+            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
+        except (ValueError, RecursionError):  # bad JSON or text, too deep, an integer past the digit limit
             raise ChatError(f"{where}.function.arguments is not valid JSON", where) from None
         args = parsed
     if not isinstance(args, dict):
