@@ -23,10 +23,18 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 // rounds in flight per warp measured slower: 4.45 vs 3.50 ms wall per 4B step.) Under PDL the first
 // round goes out while the previous kernel is still running. (A bulk L2 prefetch of the next tile on
 // top measured slower: docs/benchmarks.md.)
-template <int MT, int IN, int OUT>
+// Experiment (gemv_variant): V bit 0 (FX) stages the input as fp32 in a lane-friendly order and chains
+// FMAs (no input conversion per load: ~40% fewer instructions per weight byte); bit 1 (ROLL) requests
+// the next tile's chunk u as soon as chunk u is consumed (the loads stay in flight during the compute).
+template <int MT, int IN, int OUT, int V>
 __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
+  constexpr bool FX = V & 1, ROLL = V & 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input, then [K] norm weight
+  // FX: [MT][K] fp32; in each 256-chunk, element lane * 8 + h * 4 + i sits at h * 128 + lane * 4 + i, so a
+  // warp's float4 reads are contiguous.
+  float* sxf = reinterpret_cast<float*>(smem_raw);
+  auto fx_at = [](int k) { return (k & ~255) + ((k >> 2) & 1) * 128 + ((k & 255) >> 3) * 4; };  // k % 4 == 0
   __shared__ float red[MT][kWarps];
   const int K = a.K, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = kWarps / sw, j = warp / sw, slice = warp % sw;
@@ -56,18 +64,81 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
   if (tile < tiles) issue(tile, c0);
   pdl_wait();  // the input (and, for a residual add, y) come from earlier kernels
   pdl_trigger();
+  if constexpr (FX) {
+    float ss[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) ss[m] = 0.f;
+    for (int k = tid * 8; k < K; k += kThreads * 8) {
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        const uint4 v = m < a.M ? *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k) : make_uint4(0, 0, 0, 0);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+        float f[8];
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 t = __bfloat1622float2(p[q]);
+          f[2 * q] = t.x, f[2 * q + 1] = t.y;
+          ss[m] += t.x * t.x + t.y * t.y;
+        }
+        float* d = sxf + (int64_t)m * K;
+        *reinterpret_cast<float4*>(d + fx_at(k)) = make_float4(f[0], f[1], f[2], f[3]);
+        *reinterpret_cast<float4*>(d + fx_at(k + 4)) = make_float4(f[4], f[5], f[6], f[7]);
+      }
+    }
+    if (IN == (int)GemvIn::kRmsNorm) {  // the rmsnorm kernel's roundings, on the elements this thread staged
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+        if (lane == 0) red[m][warp] = ss[m];
+      }
+      __syncthreads();
+      float rstd[MT];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        float t = 0.f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) t += red[m][w];
+        rstd[m] = rsqrtf(t / K + a.eps);
+      }
+      for (int k = tid * 8; k < K; k += kThreads * 8) {
+        const uint4 w = *reinterpret_cast<const uint4*>(a.norm_w + k);
+        const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          float* d = sxf + (int64_t)m * K;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            float4* q4 = reinterpret_cast<float4*>(d + fx_at(k + 4 * h));
+            float4 v = *q4;
+            float* e = reinterpret_cast<float*>(&v);
+#pragma unroll
+            for (int i = 0; i < 4; i += 2) {
+              const float2 g = __bfloat1622float2(wp[2 * h + i / 2]);
+              const float2 n = __bfloat1622float2(__floats2bfloat162_rn(e[i] * rstd[m], e[i + 1] * rstd[m]));
+              const float2 o = __bfloat1622float2(__floats2bfloat162_rn(n.x * g.x, n.y * g.y));
+              e[i] = o.x, e[i + 1] = o.y;
+            }
+            *q4 = v;
+          }
+        }
+      }
+    }
+    __syncthreads();  // red[] is reused below and every warp reads the whole input
+  }
   bf16* snw = sx + MT * K;  // [K] norm weight
-  for (int k = tid * 8; k < K; k += kThreads * 8) {
+  for (int k = tid * 8; k < K && !FX; k += kThreads * 8) {
 #pragma unroll
     for (int m = 0; m < MT; ++m) cp_async16(sx + (int64_t)m * K + k, a.x + (int64_t)(m < a.M ? m : 0) * K + k, m < a.M);
     if (IN == (int)GemvIn::kRmsNorm) cp_async16(snw + k, a.norm_w + k, true);
   }
-  cp_async_commit();
-  cp_async_wait<0>();
-  __syncthreads();
+  if constexpr (!FX) {
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+  }
 
   // Prologue: RMSNorm in place, each thread on the elements it staged (the rmsnorm kernel's roundings).
-  if (IN == (int)GemvIn::kRmsNorm) {
+  if (IN == (int)GemvIn::kRmsNorm && !FX) {
     float ss[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
@@ -116,8 +187,14 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     float acc[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m] = 0.f;
-    for (int cb = c0; cb < c1; cb += kL) {
+    const bool more = tile + gridDim.x < tiles;
+    // ROLL: the next tile's row, for the requests made as this tile's last round is consumed
+    const bf16* nrow = a.W + (int64_t)row_of(tile + gridDim.x) * K + lane * 8;
+    const bool nok = more && row_ok(tile + gridDim.x);
+    int cb = c0;
+    for (; cb < c1; cb += kL) {
       if (cb != c0) issue(tile, cb);  // slices longer than one round (K > 12 * 256 * sw)
+      const bool last = cb + kL >= c1;
 #pragma unroll
       for (int u = 0; u < kL; ++u) {
         if (cb + u >= c1) break;
@@ -130,21 +207,47 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
           wf[2 * q] = f.x;
           wf[2 * q + 1] = f.y;
         }
+        if constexpr (ROLL) {
+          if (last) wv[u] = nok && c0 + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(nrow + (c0 + u) * kChunk))
+                                               : make_uint4(0, 0, 0, 0);
+        }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
-          const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
-          const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
+          if constexpr (FX) {
+            const float* xr = sxf + (int64_t)m * K + (cb + u) * kChunk + lane * 4;
+            const float4 x0 = *reinterpret_cast<const float4*>(xr), x1 = *reinterpret_cast<const float4*>(xr + 128);
+            float t = acc[m];
+            t = fmaf(wf[0], x0.x, t);
+            t = fmaf(wf[1], x0.y, t);
+            t = fmaf(wf[2], x0.z, t);
+            t = fmaf(wf[3], x0.w, t);
+            t = fmaf(wf[4], x1.x, t);
+            t = fmaf(wf[5], x1.y, t);
+            t = fmaf(wf[6], x1.z, t);
+            acc[m] = fmaf(wf[7], x1.w, t);
+          } else {
+            const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+            const __nv_bfloat162* xp = reinterpret_cast<const __nv_bfloat162*>(&xv);
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const float2 f = __bfloat1622float2(xp[q]);
-            acc[m] += wf[2 * q] * f.x + wf[2 * q + 1] * f.y;
+            for (int q = 0; q < 4; ++q) {
+              const float2 f = __bfloat1622float2(xp[q]);
+              acc[m] += wf[2 * q] * f.x + wf[2 * q + 1] * f.y;
+            }
           }
         }
       }
     }
-    // The next tile's loads go out before this tile's reduction and epilogue.
-    const bool more = tile + gridDim.x < tiles;
-    if (more) issue(tile + gridDim.x, c0);
+    // The next tile's loads go out before this tile's reduction and epilogue (ROLL: those the last round
+    // did not already request, when it was shorter than the first).
+    if (!ROLL) {
+      if (more) issue(tile + gridDim.x, c0);
+    } else {
+      const int done = c1 - (cb - kL);  // chunks of the last round
+#pragma unroll
+      for (int u = 0; u < kL; ++u)
+        if (u >= done) wv[u] = nok && c0 + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(nrow + (c0 + u) * kChunk))
+                                                  : make_uint4(0, 0, 0, 0);
+    }
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
@@ -186,12 +289,12 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
   }
 }
 
-template <int MT, int IN, int OUT>
+template <int MT, int IN, int OUT, int V>
 void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s) {
   static int per_sm = 0;  // one attribute call and occupancy query per instantiation (capture safe afterwards)
   if (per_sm == 0) {
-    OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<MT, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
-    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<MT, IN, OUT>, kThreads, 0));
+    OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<MT, IN, OUT, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
+    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<MT, IN, OUT, V>, kThreads, 0));
     per_sm = std::max(per_sm, 1);
   }
   const int fit = std::max(1, std::min(per_sm, (int)((227 * 1024) / (smem + 2048))));
@@ -201,33 +304,49 @@ void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s)
   const int tiles = (rows + per_tile - 1) / per_tile;
   const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
   OI_CUDA_CHECK(
-      launch_kernel(true, gemv_kernel<MT, IN, OUT>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
+      launch_kernel(true, gemv_kernel<MT, IN, OUT, V>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
+}
+
+template <int MT, int V>
+void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
+  const int i = (int)in, o = (int)out;
+  if (i == 1 && o == 0) launch<MT, 1, 0, V>(a, sw, smem, num_sms, s);       // qkv: norm fused in
+  else if (i == 1 && o == 3) launch<MT, 1, 3, V>(a, sw, smem, num_sms, s);  // gate_up: norm in, SiLU·up out
+  else if (i == 0 && o == 1) launch<MT, 0, 1, V>(a, sw, smem, num_sms, s);  // o_proj, down_proj: residual add
+  else if (i == 1 && o == 2) launch<MT, 1, 2, V>(a, sw, smem, num_sms, s);  // lm_head: final norm in, fp32 out
+  else if (i == 0 && o == 0) launch<MT, 0, 0, V>(a, sw, smem, num_sms, s);
+  else OI_CHECK(false, "gemv: unsupported prologue/epilogue pair " << i << "/" << o);
 }
 
 template <int MT>
-void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
-  const int i = (int)in, o = (int)out;
-  if (i == 1 && o == 0) launch<MT, 1, 0>(a, sw, smem, num_sms, s);       // qkv: norm fused in
-  else if (i == 1 && o == 3) launch<MT, 1, 3>(a, sw, smem, num_sms, s);  // gate_up: norm in, SiLU·up out
-  else if (i == 0 && o == 1) launch<MT, 0, 1>(a, sw, smem, num_sms, s);  // o_proj, down_proj: residual add
-  else if (i == 1 && o == 2) launch<MT, 1, 2>(a, sw, smem, num_sms, s);  // lm_head: final norm in, fp32 out
-  else if (i == 0 && o == 0) launch<MT, 0, 0>(a, sw, smem, num_sms, s);
-  else OI_CHECK(false, "gemv: unsupported prologue/epilogue pair " << i << "/" << o);
+void dispatch_v(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
+  switch (gemv_variant()) {
+    case 1: dispatch<MT, 1>(a, in, out, sw, smem, num_sms, s); break;
+    case 2: dispatch<MT, 2>(a, in, out, sw, smem, num_sms, s); break;
+    case 3: dispatch<MT, 3>(a, in, out, sw, smem, num_sms, s); break;
+    default: dispatch<MT, 0>(a, in, out, sw, smem, num_sms, s);
+  }
 }
 
 }  // namespace
 
+int& gemv_variant() {
+  static int v = 0;
+  return v;
+}
+
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
-  const size_t smem = (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
+  const size_t smem = gemv_variant() & 1 ? (size_t)a.M * a.K * sizeof(float)
+                                         : (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
   if (smem > kMaxSmem) return false;
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
   const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;
   int sw = 1;
   while (sw < max_sw && (chunks + sw - 1) / sw > kL) sw *= 2;
   if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
-  if (a.M == 1) dispatch<1>(a, in, out, sw, smem, num_sms, s);
-  else dispatch<2>(a, in, out, sw, smem, num_sms, s);
+  if (a.M == 1) dispatch_v<1>(a, in, out, sw, smem, num_sms, s);
+  else dispatch_v<2>(a, in, out, sw, smem, num_sms, s);
   return true;
 }
 

@@ -28,4 +28,7 @@ constexpr int kGemvMaxRows = 2;
 // staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
+// Experiment (default 0): kernel variants (kernels/gemv.cu), set before an engine captures its graphs.
+int& gemv_variant();
+
 }  // namespace oi
