@@ -272,8 +272,8 @@ PYBIND11_MODULE(_engine, m) {
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
           "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
-  ops.def("gemv_variant", [](int v) { gemv_variant() = v; },
-          "experiment: fused GEMV variant (0 shipped, 1 fp32 input, 2 rolling requests, 3 both)");
+  ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
+          "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },
           "profiling only, wrong outputs: skip q/k norm + RoPE + KV write (1) and/or attention (2) in every layer");
   ops.def("attention_launch_shape", [](int num_work, int max_rows, int num_splits) {

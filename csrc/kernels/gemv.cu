@@ -23,12 +23,12 @@ __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__floa
 // rounds in flight per warp measured slower: 4.45 vs 3.50 ms wall per 4B step.) Under PDL the first
 // round goes out while the previous kernel is still running. (A bulk L2 prefetch of the next tile on
 // top measured slower: docs/benchmarks.md.)
-// Experiment (gemv_variant): V bit 0 (FX) stages the input as fp32 in a lane-friendly order and chains
-// FMAs (no input conversion per load: ~40% fewer instructions per weight byte); bit 1 (ROLL) requests
-// the next tile's chunk u as soon as chunk u is consumed (the loads stay in flight during the compute).
-template <int MT, int IN, int OUT, int V>
+// FX (where fp32 input fits as many blocks per SM): the input is staged as fp32 and the FMAs chained, so a
+// weight load costs no conversion of the input; ~40% fewer instructions per weight byte, 4B batch 1
+// 2.74 -> 2.64 ms per step (docs/benchmarks.md). A warp's compute between rounds of loads is on the
+// critical path: requesting the next tile's chunks as each is consumed measured slower.
+template <int MT, int IN, int OUT, bool FX>
 __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArgs a, int sw, int tiles) {
-  constexpr bool FX = V & 1, ROLL = V & 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input, then [K] norm weight
   // FX: [MT][K] fp32; in each 256-chunk, element lane * 8 + h * 4 + i sits at h * 128 + lane * 4 + i, so a
@@ -71,7 +71,8 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     for (int k = tid * 8; k < K; k += kThreads * 8) {
 #pragma unroll
       for (int m = 0; m < MT; ++m) {
-        const uint4 v = m < a.M ? *reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k) : make_uint4(0, 0, 0, 0);
+        // L2 only, as cp.async.cg: this SM's L1 may hold lines of x from before the previous kernel wrote it
+        const uint4 v = m < a.M ? __ldcg(reinterpret_cast<const uint4*>(a.x + (int64_t)m * K + k)) : make_uint4(0, 0, 0, 0);
         const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
         float f[8];
 #pragma unroll
@@ -187,14 +188,8 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     float acc[MT];
 #pragma unroll
     for (int m = 0; m < MT; ++m) acc[m] = 0.f;
-    const bool more = tile + gridDim.x < tiles;
-    // ROLL: the next tile's row, for the requests made as this tile's last round is consumed
-    const bf16* nrow = a.W + (int64_t)row_of(tile + gridDim.x) * K + lane * 8;
-    const bool nok = more && row_ok(tile + gridDim.x);
-    int cb = c0;
-    for (; cb < c1; cb += kL) {
+    for (int cb = c0; cb < c1; cb += kL) {
       if (cb != c0) issue(tile, cb);  // slices longer than one round (K > 12 * 256 * sw)
-      const bool last = cb + kL >= c1;
 #pragma unroll
       for (int u = 0; u < kL; ++u) {
         if (cb + u >= c1) break;
@@ -206,10 +201,6 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
           const float2 f = __bfloat1622float2(wp[q]);
           wf[2 * q] = f.x;
           wf[2 * q + 1] = f.y;
-        }
-        if constexpr (ROLL) {
-          if (last) wv[u] = nok && c0 + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(nrow + (c0 + u) * kChunk))
-                                               : make_uint4(0, 0, 0, 0);
         }
 #pragma unroll
         for (int m = 0; m < MT; ++m) {
@@ -237,17 +228,9 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
         }
       }
     }
-    // The next tile's loads go out before this tile's reduction and epilogue (ROLL: those the last round
-    // did not already request, when it was shorter than the first).
-    if (!ROLL) {
-      if (more) issue(tile + gridDim.x, c0);
-    } else {
-      const int done = c1 - (cb - kL);  // chunks of the last round
-#pragma unroll
-      for (int u = 0; u < kL; ++u)
-        if (u >= done) wv[u] = nok && c0 + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(nrow + (c0 + u) * kChunk))
-                                                  : make_uint4(0, 0, 0, 0);
-    }
+    // The next tile's loads go out before this tile's reduction and epilogue.
+    const bool more = tile + gridDim.x < tiles;
+    if (more) issue(tile + gridDim.x, c0);
 #pragma unroll
     for (int m = 0; m < MT; ++m) {
       for (int o = 16; o > 0; o >>= 1) acc[m] += __shfl_xor_sync(0xffffffffu, acc[m], o);
@@ -289,12 +272,12 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
   }
 }
 
-template <int MT, int IN, int OUT, int V>
+template <int MT, int IN, int OUT, bool FX>
 void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s) {
   static int per_sm = 0;  // one attribute call and occupancy query per instantiation (capture safe afterwards)
   if (per_sm == 0) {
-    OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<MT, IN, OUT, V>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
-    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<MT, IN, OUT, V>, kThreads, 0));
+    OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<MT, IN, OUT, FX>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
+    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_kernel<MT, IN, OUT, FX>, kThreads, 0));
     per_sm = std::max(per_sm, 1);
   }
   const int fit = std::max(1, std::min(per_sm, (int)((227 * 1024) / (smem + 2048))));
@@ -304,49 +287,44 @@ void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s)
   const int tiles = (rows + per_tile - 1) / per_tile;
   const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
   OI_CUDA_CHECK(
-      launch_kernel(true, gemv_kernel<MT, IN, OUT, V>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
+      launch_kernel(true, gemv_kernel<MT, IN, OUT, FX>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
 }
 
-template <int MT, int V>
+template <int MT, bool FX>
 void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
   const int i = (int)in, o = (int)out;
-  if (i == 1 && o == 0) launch<MT, 1, 0, V>(a, sw, smem, num_sms, s);       // qkv: norm fused in
-  else if (i == 1 && o == 3) launch<MT, 1, 3, V>(a, sw, smem, num_sms, s);  // gate_up: norm in, SiLU·up out
-  else if (i == 0 && o == 1) launch<MT, 0, 1, V>(a, sw, smem, num_sms, s);  // o_proj, down_proj: residual add
-  else if (i == 1 && o == 2) launch<MT, 1, 2, V>(a, sw, smem, num_sms, s);  // lm_head: final norm in, fp32 out
-  else if (i == 0 && o == 0) launch<MT, 0, 0, V>(a, sw, smem, num_sms, s);
+  if (i == 1 && o == 0) launch<MT, 1, 0, FX>(a, sw, smem, num_sms, s);       // qkv: norm fused in
+  else if (i == 1 && o == 3) launch<MT, 1, 3, FX>(a, sw, smem, num_sms, s);  // gate_up: norm in, SiLU·up out
+  else if (i == 0 && o == 1) launch<MT, 0, 1, FX>(a, sw, smem, num_sms, s);  // o_proj, down_proj: residual add
+  else if (i == 1 && o == 2) launch<MT, 1, 2, FX>(a, sw, smem, num_sms, s);  // lm_head: final norm in, fp32 out
+  else if (i == 0 && o == 0) launch<MT, 0, 0, FX>(a, sw, smem, num_sms, s);
   else OI_CHECK(false, "gemv: unsupported prologue/epilogue pair " << i << "/" << o);
-}
-
-template <int MT>
-void dispatch_v(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
-  switch (gemv_variant()) {
-    case 1: dispatch<MT, 1>(a, in, out, sw, smem, num_sms, s); break;
-    case 2: dispatch<MT, 2>(a, in, out, sw, smem, num_sms, s); break;
-    case 3: dispatch<MT, 3>(a, in, out, sw, smem, num_sms, s); break;
-    default: dispatch<MT, 0>(a, in, out, sw, smem, num_sms, s);
-  }
 }
 
 }  // namespace
 
-int& gemv_variant() {
-  static int v = 0;
-  return v;
+int& gemv_fp32_input() {
+  static int on = 1;
+  return on;
 }
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
-  const size_t smem = gemv_variant() & 1 ? (size_t)a.M * a.K * sizeof(float)
-                                         : (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
+  if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
+  // The input (and norm weight) staged as bf16, or the input as fp32 where that keeps as many blocks per SM
+  // (all but 32B's down projection, K = 25600).
+  const size_t smem_bf = (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
+  const size_t smem_fx = (size_t)a.M * a.K * sizeof(float);
+  auto per_sm = [&](size_t smem) { return std::min(a.M == 1 ? 3 : 2, (int)((227 * 1024) / (smem + 2048))); };
+  const bool fx = gemv_fp32_input() && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
+  const size_t smem = fx ? smem_fx : smem_bf;
   if (smem > kMaxSmem) return false;
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
   const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;
   int sw = 1;
   while (sw < max_sw && (chunks + sw - 1) / sw > kL) sw *= 2;
-  if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
-  if (a.M == 1) dispatch_v<1>(a, in, out, sw, smem, num_sms, s);
-  else dispatch_v<2>(a, in, out, sw, smem, num_sms, s);
+  if (a.M == 1) fx ? dispatch<1, true>(a, in, out, sw, smem, num_sms, s) : dispatch<1, false>(a, in, out, sw, smem, num_sms, s);
+  else fx ? dispatch<2, true>(a, in, out, sw, smem, num_sms, s) : dispatch<2, false>(a, in, out, sw, smem, num_sms, s);
   return true;
 }
 

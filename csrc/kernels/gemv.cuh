@@ -28,7 +28,8 @@ constexpr int kGemvMaxRows = 2;
 // staged input too large); the caller then takes the cuBLASLt path.
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s);
 
-// Experiment (default 0): kernel variants (kernels/gemv.cu), set before an engine captures its graphs.
-int& gemv_variant();
+// A/B switch (default 1): the fused kernel's input staged as fp32 where it fits (kernels/gemv.cu); set
+// before an engine captures its graphs.
+int& gemv_fp32_input();
 
 }  // namespace oi
