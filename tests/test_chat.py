@@ -140,6 +140,31 @@ def test_malformed_block_stays_content(block):
     assert calls == [] and content == text
 
 
+@pytest.mark.parametrize("block", [
+    # what the client gets back must be JSON it can parse and UTF-8 text (found by a fuzzing pass:
+    # the surrogates were a 500 or a cut stream, the nesting and digits an unhandled error, NaN
+    # went out as invalid JSON)
+    '<tool_call>\n{"name": "get", "arguments": {"a": "\\ud800"}}\n</tool_call>',  # lone surrogate
+    '<tool_call>\n{"name": "\\ud83d", "arguments": {}}\n</tool_call>',
+    '<tool_call>\n{"name": "get", "arguments": "' + "[" * 1100 + '"}\n</tool_call>',  # double-encoded, deep
+    '<tool_call>\n{"name": "get", "arguments": {"a": ' + "1" * 4400 + '}}\n</tool_call>',  # digit limit
+    '<tool_call>\n{"name": "get", "arguments": "{\\"a\\": ' + "1" * 4400 + '}"}\n</tool_call>',
+    '<tool_call>\n{"name": "get", "arguments": {"a": NaN}}\n</tool_call>',
+    '<tool_call>\n{"name": "get", "arguments": {"a": -Infinity}}\n</tool_call>',
+    '<tool_call>\n{"name": "get", "arguments": {"a": 1e999}}\n</tool_call>',  # Infinity on the way out
+])
+def test_call_the_client_could_not_parse_stays_content(block):
+    content, calls = parse_tool_calls(block)
+    assert calls == [] and content == block
+    content.encode("utf-8")
+
+
+def test_escaped_surrogate_pair_and_floats_parse():
+    content, calls = parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": "\\ud83d\\ude00", '
+                                      '"b": 1.5e300}}\n</tool_call>')
+    assert content is None and json.loads(calls[0].arguments) == {"a": "\U0001F600", "b": 1.5e300}
+
+
 def test_malformed_next_to_valid():
     text = tc("a", {}) + "<tool_call>oops</tool_call> tail"
     content, calls = parse_tool_calls(text)

@@ -12,6 +12,7 @@ however the text is split.
 from __future__ import annotations
 
 import json
+import math
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ __all__ = [
     "ChatError", "ChatTemplate", "normalize_messages", "normalize_tools",
     "ToolCall", "ToolCallStreamParser", "parse_tool_calls",
     "ReasoningStreamParser", "parse_reasoning", "ChatOutputParser", "ChatDelta",
-    "TOOL_CALL_START", "TOOL_CALL_END", "THINK_START", "THINK_END",
+    "TOOL_CALL_START", "TOOL_CALL_END", "THINK_START", "THINK_END", "loads_text_json",
 ]
 
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
@@ -124,6 +125,30 @@ def _text_content(content: Any, where: str) -> str:
                     f"{where}.content")
 
 
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _finite_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"{text} is out of range")
+    return v
+
+
+def loads_text_json(text: str | bytes, finite: bool = False) -> Any:
+    """json.loads for JSON whose strings go back out as UTF-8 text. ValueError for malformed JSON,
+    nesting past the interpreter's recursion limit, an integer past Python's digit limit, NaN or
+    Infinity, an escaped lone surrogate ("\\ud800" decodes to one, which no UTF-8 text can carry) and,
+    with `finite`, a number out of float range (1e999 would go back out as Infinity, not JSON)."""
+    try:
+        value = json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float if finite else None)
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+    return value
+
+
 def _normalize_tool_call(tc: Any, where: str) -> dict:
     if not isinstance(tc, dict):
         raise ChatError(f"{where} must be an object", where)
@@ -133,10 +158,8 @@ def _normalize_tool_call(tc: Any, where: str) -> dict:
     args = fn.get("arguments", {})
     if isinstance(args, str):
         try:  # normalise to a dict so the template writes canonical JSON
-            parsed = json.loads(args) if args.strip() else {}
-            # the body's own JSON rejects lone surrogates; this JSON is decoded here, so check it here
-            json.dumps(parsed, ensure_ascii=False).encode("utf-8")
-        except (ValueError, RecursionError):  # bad JSON or text, too deep, an integer past the digit limit
+            parsed = loads_text_json(args) if args.strip() else {}
+        except ValueError:
             raise ChatError(f"{where}.function.arguments is not valid JSON", where) from None
         args = parsed
     if not isinstance(args, dict):
@@ -212,18 +235,19 @@ class ToolCall:
 
 
 def _parse_tool_call_body(body: str) -> ToolCall | None:
-    """The JSON between the tags, or None when it is not a well-formed call."""
+    """The JSON between the tags, or None when it is not a well-formed call (the call then stays
+    content): what the client gets back must be JSON it can parse, so the checks of loads_text_json."""
     try:
-        obj = json.loads(body)
-    except (json.JSONDecodeError, RecursionError):
+        obj = loads_text_json(body, finite=True)
+    except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models double-encode; accept only a JSON object inside
         try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
+            args = loads_text_json(args, finite=True)
+        except ValueError:
             return None
     if not isinstance(args, dict):
         return None
