@@ -123,3 +123,22 @@ def test_params_normalised_so_no_request_can_fail_a_batch():
         SamplingParams(temperature=1e308)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=float("inf"))
+
+
+def test_tiny_top_p_stays_positive_in_float32():
+    """A top_p that float32 rounds to 0 would be refused on the device, failing the whole step for every
+    request in it (found by a fuzzing pass): below 1e-6 (under 1/vocabulary: the top token alone) it is
+    raised to 1e-6."""
+    from openinfer import SamplingParams
+    for top_p in (1e-50, 5e-324, 1e-7):
+        p = SamplingParams(top_p=top_p)
+        assert p.top_p == 1e-6 and np.float32(p.top_p) > 0
+    assert SamplingParams(top_p=0.5).top_p == 0.5
+
+
+def test_stop_token_ids_capped_and_a_set():
+    from openinfer import SamplingParams
+    p = SamplingParams(stop_token_ids=[5, 7, 5])
+    assert p.stop_token_ids == [5, 7, 5] and p.stop_token_set == {5, 7}
+    with pytest.raises(ValueError, match="at most 1024"):
+        SamplingParams(stop_token_ids=list(range(1025)))

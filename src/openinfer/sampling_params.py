@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 1e4
 GREEDY_BELOW = 1e-5
+MIN_TOP_P = 1e-6
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass
@@ -30,6 +32,9 @@ class SamplingParams:
             self.temperature = 0.0
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        # Below 1/vocabulary a nucleus holds only the top token; far below it the value would round to
+        # 0 in float32 on its way to the device, which refuses it (failing the whole step).
+        self.top_p = max(self.top_p, MIN_TOP_P)
         if not _is_int(self.top_k):
             raise ValueError(f"top_k must be an int (<= 0 disables it), got {self.top_k!r}")
         if self.top_k <= 0 or self.top_k >= 2**31:  # off; a k beyond any vocabulary keeps everything too
@@ -47,6 +52,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:  # each is checked per generated token
+            raise ValueError(f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, "
+                             f"got {len(self.stop_token_ids)}")
+        self.stop_token_set = frozenset(self.stop_token_ids)  # what the scheduler tests each token against
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 

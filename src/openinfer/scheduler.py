@@ -316,7 +316,7 @@ class Scheduler:
                 top = [(int(i), float(v)) for i, v in zip(out.top_ids[r, :p.logprobs], out.top_logprobs[r, :p.logprobs])]
             lps = [Logprob(tok, float(out.logprobs[r]), top)]
         reason = None
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_set:
             text, reason = "", "stop"  # the stop token's text is not part of the output
         else:
             text, hit = seq.detok.add_token(tok)

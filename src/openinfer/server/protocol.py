@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..sampling_params import MAX_STOP_TOKEN_IDS
+
 MAX_TOP_LOGPROBS = 20
 
 
@@ -144,8 +146,9 @@ def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
     if len(stop) > 16:
         raise bad("'stop' may hold at most 16 strings", "stop")
     stop_token_ids = _opt(body, "stop_token_ids",
-                          lambda v: isinstance(v, list) and all(_is_int(t) and t >= 0 for t in v),
-                          "a list of non-negative integers", [])
+                          lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS
+                          and all(_is_int(t) and t >= 0 for t in v),
+                          f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers", [])
     ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
     skip_special = _opt(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
     stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
