@@ -7,8 +7,11 @@ the same suite against the CUDA engine; those runs carry the `gpu` marker and sk
 """
 
 import asyncio
+import gc
 import json
+import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -77,6 +80,15 @@ def server(model_dir):
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.url + "/v1", api_key=API_KEY, timeout=60, max_retries=0)
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
 
 
 def post(server, path, body=None, *, content=None, key=API_KEY, timeout=60):
@@ -363,11 +375,16 @@ def test_multi_prompt_request_refused_midway_leaves_nothing(server, client):
     sched = server.engine.scheduler
     old = sched.max_waiting
     sched.max_waiting = 2  # test hook
+    logged = _Records()
+    logging.getLogger("asyncio").addHandler(logged)
     try:
         r = post(server, "/v1/completions", {"prompt": ["a b", "c d", "e f", "g h", "i j"], "max_tokens": 4})
+        gc.collect()  # the refusals' futures: each unread error would be logged when it is collected
     finally:
         sched.max_waiting = old
+        logging.getLogger("asyncio").removeHandler(logged)
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    assert not [m for m in logged.messages if "never retrieved" in m], logged.messages
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         st = server.engine.stats()
@@ -461,6 +478,7 @@ BAD = [  # (path, body or raw bytes, status, param)
     (C, dict(OK_C, stream="yes"), 400, "stream"),
     (C, dict(OK_C, stream_options={"include_usage": True}), 400, "stream_options"),
     (C, dict(OK_C, ignore_eos="no"), 400, "ignore_eos"),
+    (C, dict(OK_C, stop_token_ids=[7] * 1025), 400, "stop_token_ids"),  # each is checked per token
     (C, dict(OK_C, model="gpt-4"), 404, "model"),
     (C, dict(OK_C, prompt="hi " * 1100), 400, "prompt"),
     (C, dict(OK_C, max_tokens=MAX_MODEL_LEN), 400, "prompt"),
@@ -532,3 +550,71 @@ def test_auth_size_routes_and_health_after_bad_input(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
     assert client.chat.completions.create(model=NAME, messages=USER, max_tokens=2).choices
     assert_idle(server)
+
+
+def test_client_gone_while_sending_its_body_is_not_an_error(server):
+    """A client that closes mid-body is not an unhandled server error (a fuzzing pass saw a logged
+    traceback and an attempted 500)."""
+    logged = _Records()
+    logging.getLogger("openinfer.server").addHandler(logged)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + API_KEY.encode() +
+                         b"\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+            time.sleep(0.2)
+        time.sleep(0.5)
+    finally:
+        logging.getLogger("openinfer.server").removeHandler(logged)
+    assert not [m for m in logged.messages if "unhandled" in m], logged.messages
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_health_answers_while_a_prompt_is_tokenized(server):
+    """Tokenizing (and rendering) runs off the event loop: a body that takes seconds to tokenize does
+    not stall every other request (a fuzzing pass saw /health wait 11 s)."""
+    tok = server.state.tokenizer
+    started = threading.Event()
+
+    def slow_encode(text, _encode=tok.encode):
+        started.set()
+        time.sleep(1.5)
+        return _encode(text)
+
+    tok.encode = slow_encode
+    try:
+        slow = threading.Thread(target=post, args=(server, "/tokenize", {"prompt": "slow"}))
+        slow.start()
+        assert started.wait(10)
+        t0 = time.monotonic()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+        waited = time.monotonic() - t0
+        slow.join(10)
+    finally:
+        del tok.encode  # the instance attribute: back to the class's method
+    assert waited < 0.75, waited
+
+
+def test_completion_text_offsets_stream_equal_non_stream(server, client):
+    """text_offset is where each token's text starts in the returned text, counted alike with and
+    without streaming (the non-streamed offsets summed token strings: wrong where a token is part of
+    a character, and unlike the stream's)."""
+    kw = dict(model=NAME, prompt="Once upon a time", max_tokens=10, temperature=0, logprobs=1,
+              extra_body={"ignore_eos": True})
+    r = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert r.logprobs.text_offset == streamed
+    assert streamed == sorted(streamed) and all(0 <= o <= len(r.text) for o in streamed)
+
+
+def test_chat_logprob_bytes_are_the_tokens_own():
+    """A character split over two tokens: each token's `bytes` are its own, and together they make the
+    character (its text alone is U+FFFD)."""
+    from openinfer.server.app import _chat_logprobs
+    from openinfer.tokenizer import Tokenizer, BUNDLED_TOKENIZER_DIR
+    tok = Tokenizer.from_model_dir(BUNDLED_TOKENIZER_DIR)
+    ids = tok.encode("\U0001D518")  # MATHEMATICAL FRAKTUR CAPITAL U: more than one byte-level token
+    assert len(ids) > 1
+    entries = _chat_logprobs(tok, [(i, -0.5, [(i, -0.5)]) for i in ids])
+    assert b"".join(bytes(e["bytes"]) for e in entries) == "\U0001D518".encode("utf-8")
+    assert bytes(entries[0]["top_logprobs"][0]["bytes"]) == bytes(entries[0]["bytes"])

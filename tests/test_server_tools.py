@@ -29,6 +29,8 @@ def call(name, args):
 
 def script(prompt: str) -> str:
     """The 'model': what it says depends only on the last turn of the rendered prompt."""
+    if prompt == "fraktur":  # a completion whose middle character is two byte-level tokens
+        return "a\U0001D518b"
     last = prompt.rsplit("<|im_start|>", 2)[-2]
     if "<tool_response>" in last:
         temp = json.loads(last.split("<tool_response>\n")[1].split("\n</tool_response>")[0])["temp"]
@@ -55,6 +57,7 @@ class ScriptedEngine:
         self.chars = chars
         self.prompts: list[str] = []
         self.reqs: dict[str, list] = {}
+        self.want_lp: dict[str, bool] = {}
         self.broken = False
 
     def add_request(self, rid, ids, params):
@@ -69,6 +72,7 @@ class ScriptedEngine:
             pieces = [([t], detok.add_token(t)[0]) for t in out_ids]
             pieces[-1] = (pieces[-1][0], pieces[-1][1] + detok.flush())
         self.reqs[rid] = pieces
+        self.want_lp[rid] = params.logprobs is not None
 
     def abort_request(self, rid):
         return self.reqs.pop(rid, None) is not None
@@ -87,9 +91,11 @@ class ScriptedEngine:
             done = not pieces
             if done:
                 del self.reqs[rid]
+            lp = [SimpleNamespace(token_id=t, logprob=-0.5, top=[(t, -0.5)]) for t in ids] \
+                if self.want_lp.get(rid) else None
             ups.append(SimpleNamespace(request_id=rid, new_token_ids=ids, new_text=text,
                                        finished=done, finish_reason="stop" if done else None,
-                                       logprobs=None))
+                                       logprobs=lp))
         return ups
 
     def stats(self):
@@ -221,3 +227,16 @@ def test_health_is_503_once_the_engine_loop_dies():
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     finally:
         s.stop()
+
+
+def test_completion_text_offsets_where_a_token_is_part_of_a_character(srv, client):
+    """text_offset is where each token's text starts in the returned text, counted alike with and
+    without streaming: the two tokens of one character start at the same place (the non-streamed
+    offsets used to sum the tokens' own strings, U+FFFD each)."""
+    kw = dict(model=NAME, prompt="fraktur", max_tokens=10, logprobs=1)
+    r = client.completions.create(**kw).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(stream=True, **kw) if c.choices]
+    streamed = [o for c in chunks if c.logprobs for o in c.logprobs.text_offset]
+    assert r.text == "a\U0001D518b" and r.logprobs.text_offset == streamed
+    if not srv.engine.chars:  # a, the character's two tokens, b
+        assert streamed == [0, 1, 1, 2]

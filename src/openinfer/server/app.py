@@ -22,12 +22,12 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatError, ChatOutputParser,
-                    ChatTemplate, normalize_messages, normalize_tools)
+                    ChatTemplate, loads_text_json, normalize_messages, normalize_tools)
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
@@ -88,18 +88,10 @@ async def _read_json(request: Request, limit: int) -> Any:
             break
     if size > limit:
         raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
-    try:
-        body = json.loads(b"".join(chunks), parse_constant=_reject_constant)
-        # "\ud800"-style escapes decode to lone surrogates, which are not text: refuse them here, once,
-        # rather than fail later wherever the string is encoded (tokenizer, an error message echoing it)
-        json.dumps(body, ensure_ascii=False).encode("utf-8")
-        return body
-    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecode/EncodeError, NaN
+    try:  # lone surrogates refused here, once, not wherever a string is encoded later
+        return loads_text_json(b"".join(chunks))
+    except ValueError as e:
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not a JSON value")
 
 
 def _check_model(st: ServerState, model: str | None) -> None:
@@ -247,10 +239,22 @@ def _completion_logprobs(tok, rows, offset: int) -> dict:
     return out
 
 
+def _merge_logprobs(parts: list[dict]) -> dict:
+    """Per-update completion logprobs (each with its own text offsets) as one."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key, values in part.items():
+            out[key].extend(values)
+    return out
+
+
 def _chat_logprobs(tok, rows) -> list[dict]:
+    table = tok.byte_table(False)  # a token's own bytes: its text alone may be part of a character
+
     def entry(tid, lp):
         s = _token_str(tok, tid)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+        b = table[tid] if table is not None and tid < len(table) else s.encode("utf-8")
+        return {"token": s, "logprob": lp, "bytes": list(b)}
     return [{**entry(tid, lp), "top_logprobs": [entry(i, v) for i, v in top]}
             for tid, lp, top in rows]
 
@@ -286,6 +290,8 @@ def _route(fn, authed: bool = True):
             return _error(bad(str(e), e.param))
         except EngineStepError as e:
             return _error(_internal(str(e)))
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            return Response(status_code=CLIENT_GONE)
         except asyncio.CancelledError:
             raise
         except Exception as e:
@@ -318,6 +324,12 @@ async def get_model(st: ServerState, request: Request) -> Response:
     return JSONResponse(_model_card(st))
 
 
+async def _off_loop(fn, *args):
+    """Runs fn in a worker thread: rendering and tokenizing a large body takes seconds, during which
+    the event loop would answer nothing else (/health included)."""
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
 def _render_chat(st: ServerState, req) -> tuple[str, dict]:
     """Prompt text for a chat request, plus how to parse the model's output."""
     if st.template is None:
@@ -348,12 +360,12 @@ async def tokenize(st: ServerState, request: Request) -> Response:
     if "messages" in body:
         req = parse_chat({k: v for k, v in body.items() if k in (
             "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")})
-        text, _ = _render_chat(st, req)
+        text, _ = await _off_loop(_render_chat, st, req)
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:
         raise bad("'prompt' (a string) or 'messages' is required", "prompt")
-    ids = st.tokenizer.encode(text)
+    ids = await _off_loop(st.tokenizer.encode, text)
     return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
 
 
@@ -366,7 +378,7 @@ async def detokenize(st: ServerState, request: Request) -> Response:
     if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise bad("'tokens' must be a list of token ids", "tokens")
     _check_ids(st, ids, "tokens")
-    return JSONResponse({"prompt": st.tokenizer.decode(ids, skip_special_tokens=False)})
+    return JSONResponse({"prompt": await _off_loop(st.tokenizer.decode, ids, False)})
 
 
 def _usage(n_prompt: int, n_gen: int) -> dict:
@@ -377,7 +389,7 @@ async def completions(st: ServerState, request: Request) -> Response:
     t0 = now()
     req = parse_completion(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
-    prompts = [_check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p)
+    prompts = [_check_ids(st, p, "prompt") if isinstance(p, list) else await _off_loop(st.tokenizer.encode, p)
                for p in req.prompts]
     for ids in prompts:
         _check_length(st, len(ids), req.gen.max_tokens, "prompt")
@@ -419,7 +431,8 @@ async def completions(st: ServerState, request: Request) -> Response:
 
     texts = [[] for _ in prompts]
     ntok = [0] * len(prompts)
-    rows = [[] for _ in prompts]
+    lps = [[] for _ in prompts]  # per update, offsets counted as the stream counts them
+    textlen = [0] * len(prompts)
     finish = [None] * len(prompts)
 
     def on_update(idx, u):
@@ -427,7 +440,8 @@ async def completions(st: ServerState, request: Request) -> Response:
         texts[idx].append(u.new_text)
         ntok[idx] += len(u.new_token_ids)
         if want_lp:
-            rows[idx].extend(_logprob_rows(u))
+            lps[idx].append(_completion_logprobs(st.tokenizer, _logprob_rows(u), textlen[idx]))
+        textlen[idx] += len(u.new_text)
         if u.finished:
             finish[idx] = u.finish_reason
             timers[idx].finish()
@@ -435,7 +449,7 @@ async def completions(st: ServerState, request: Request) -> Response:
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
     choices = [{"index": i, "text": "".join(texts[i]),
-                "logprobs": _completion_logprobs(st.tokenizer, rows[i], 0) if want_lp else None,
+                "logprobs": _merge_logprobs(lps[i]) if want_lp else None,
                 "finish_reason": finish[i]} for i in range(len(prompts))]
     return JSONResponse({"id": rid, "object": "text_completion", "created": created,
                          "model": st.model_name, "choices": choices,
@@ -460,8 +474,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     t0 = now()
     req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
-    prompt, how = _render_chat(st, req)
-    ids = st.tokenizer.encode(prompt)
+    prompt, how = await _off_loop(_render_chat, st, req)
+    ids = await _off_loop(st.tokenizer.encode, prompt)
     _check_length(st, len(ids), req.gen.max_tokens, "messages")
     params = _sampling_params(req.gen)
     group = await _submit(st, [ids], params, "messages")

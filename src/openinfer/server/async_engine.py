@@ -62,6 +62,9 @@ class RequestGroup:
         for index, prompt_token_ids in enumerate(prompts):
             rid = f"{self._prefix}-{index}"
             fut = self._loop.create_future()
+            # mark every outcome read: only the first error is raised, and asyncio logs a traceback for
+            # each unread one (a refused 64-prompt request logged 63)
+            fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
             self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
             futs.append(fut)
