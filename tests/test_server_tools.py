@@ -41,6 +41,8 @@ def script(prompt: str) -> str:
     if "broken" in last:
         return "Oops <tool_call>\n{\"name\": get_weather}\n</tool_call>"
     if "arguments\": " in prompt[-40:]:  # a forced (named) call: the prompt opened it already
+        if "cut short" in last:  # as when max_tokens ends it mid-arguments
+            return '{"city": "Os'
         return '{"city": "Oslo"}}\n</tool_call>'
     return ("<think>\nI need the weather tool.\n</think>\n\nLet me check.\n"
             + call("get_weather", {"city": "Paris"}))
@@ -207,6 +209,20 @@ def test_named_tool_choice_forces_the_call(srv, client):
     assert r.choices[0].finish_reason == "tool_calls" and m.content is None
     assert m.tool_calls[0].function.name == "get_weather"
     assert json.loads(m.tool_calls[0].function.arguments) == {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_forced_call_cut_short_returns_only_what_the_model_wrote(srv, client, stream):
+    """The server writes the forced call's opening into the prompt; when the call does not complete,
+    the content is the model's own text, not that opening (a fuzzing pass saw it returned)."""
+    kw = dict(messages=[{"role": "user", "content": "cut short"}], tools=TOOLS,
+              tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if stream:
+        content, _, calls, _ = stream_message(client, **kw)
+    else:
+        m = client.chat.completions.create(model=NAME, **kw).choices[0].message
+        content, calls = m.content, m.tool_calls or []
+    assert calls == [] and content == '{"city": "Os'
 
 
 def test_tool_choice_none_leaves_text_alone(srv, client):

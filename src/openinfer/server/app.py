@@ -483,6 +483,15 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                               started_in_think=how["started_in_think"])
     if how["prefill"]:
         parser.feed(how["prefill"])  # held inside the open tag: yields nothing
+    # A forced call that does not complete comes back as content, led by that prefill, which the model
+    # never wrote: it is cut from the first content (nothing else can come before it).
+    cut = [how["prefill"]]
+
+    def own_text(content: str | None) -> str | None:
+        if content and cut[0]:
+            content = content[len(cut[0]):] if content.startswith(cut[0]) else content
+            cut[0] = ""
+        return content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timer = RequestTimer(st.metrics, t0)
     want_lp = req.gen.logprobs is not None
@@ -508,9 +517,12 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     timer.tokens_arrived(len(u.new_token_ids), now())
                     n_gen += len(u.new_token_ids)
                     d = parser.feed(u.new_text)
+                    d.content = own_text(d.content)
                     delta, tool_index = _delta_json(d, tool_index)
                     if u.finished:
-                        tail, tool_index = _delta_json(parser.finish(), tool_index)
+                        f = parser.finish()
+                        f.content = own_text(f.content)
+                        tail, tool_index = _delta_json(f, tool_index)
                         for k, v in tail.items():
                             delta[k] = delta[k] + v if k in delta else v
                     rows = _logprob_rows(u) if want_lp else []
@@ -543,6 +555,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
     d = parser.parse("".join(text))
+    d.content = own_text(d.content)
     message: dict = {"role": "assistant",
                      "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
                      else None}
