@@ -78,13 +78,34 @@ def test_never_fit_refused_at_once(tokenizer):
     with pytest.raises(RequestRejected, match="KV blocks"):
         sched.add_request("b", prompt(100), SamplingParams(max_tokens=40), 0)  # 140 tokens > 128 in the pool
     with pytest.raises(RequestRejected, match="no room"):
-        sched.add_request("c", prompt(128), SamplingParams(), 0)
+        sched.add_request("c", prompt(129), SamplingParams(), 0)
     with pytest.raises(RequestRejected, match="empty"):
         sched.add_request("d", [], SamplingParams(), 0)
-    sched.add_request("e", prompt(100), SamplingParams(), 0)  # None: capped by the pool (128 tokens)
+    # None: capped by the pool (128 tokens of K/V; the last token is sampled, never fed back)
+    sched.add_request("e", prompt(100), SamplingParams(), 0)
     ups = run_all(sched, bm, runner)
-    assert ups[-1].finish_reason == "length" and ups[-1].num_output_tokens == 28
-    assert not sched.has_unfinished()
+    assert ups[-1].finish_reason == "length" and ups[-1].num_output_tokens == 29
+    assert not sched.has_unfinished() and sched.stats().kv_blocks_used == 0
+
+
+def test_admission_counts_the_kv_of_all_but_the_last_token(tokenizer):
+    """prompt + max_tokens may reach the pool's tokens + 1: the last token's K/V is never written (a
+    fuzzing pass found one block reserved that a request could never use: refusals one token early,
+    and a waiting request that would have fit)."""
+    sched, bm, runner = make(tokenizer, num_blocks=9, max_model_len=160)  # 8 usable blocks, 128 tokens
+    with pytest.raises(RequestRejected, match="needs 9 KV blocks"):
+        sched.add_request("a", prompt(100), SamplingParams(max_tokens=30), 0)
+    sched.add_request("b", prompt(100), SamplingParams(max_tokens=29), 0)
+    sched.add_request("c", prompt(16), SamplingParams(max_tokens=1), 0)  # one block: waits for b
+    ups = run_all(sched, bm, runner)
+    assert [u.num_output_tokens for u in ups if u.finished] == [29, 1]
+    assert sched.stats().kv_blocks_used == 0
+    sched2, bm2, runner2 = make(tokenizer, num_blocks=5, max_model_len=160)  # 64 tokens
+    sched2.add_request("x", prompt(16), SamplingParams(max_tokens=17), 0)  # 32 tokens of K/V: 2 blocks
+    sched2.add_request("y", prompt(16), SamplingParams(max_tokens=17), 0)
+    running_together = []
+    run_all(sched2, bm2, runner2, on_step=lambda batch: running_together.append(len(sched2.running)))
+    assert max(running_together) == 2  # before: 3 blocks each reserved, so y waited for x
 
 
 def test_queue_full(tokenizer):

@@ -61,7 +61,8 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(self.token_ids)
         self.max_len = max_len  # prompt + output tokens at most
-        self.blocks_needed = -(-max_len // block_size)
+        # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most
+        self.blocks_needed = -(-(max_len - 1) // block_size)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.num_sealed = 0
@@ -148,8 +149,8 @@ class Scheduler:
             raise RequestRejected("the prompt is empty")
         pool_tokens = self.bm.num_usable * self.bs
         if params.max_tokens is None:
-            # "up to max_model_len", bounded by what the KV pool can ever hold
-            max_len = min(self.max_model_len, pool_tokens)
+            # "up to max_model_len", bounded by what the KV pool can ever hold (K/V of all but the last)
+            max_len = min(self.max_model_len, pool_tokens + 1)
             if n >= max_len:
                 raise RequestRejected(f"the prompt has {n} tokens, leaving no room to generate within "
                                       f"{max_len} tokens (max_model_len {self.max_model_len}, KV pool "
@@ -159,9 +160,9 @@ class Scheduler:
             if max_len > self.max_model_len:
                 raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {max_len} "
                                       f"exceeds max_model_len ({self.max_model_len})")
-            if max_len > pool_tokens:
+            if max_len - 1 > pool_tokens:  # the K/V of every token but the last sampled one
                 raise RequestRejected(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) needs "
-                                      f"{-(-max_len // self.bs)} KV blocks but the pool has only "
+                                      f"{-(-(max_len - 1) // self.bs)} KV blocks but the pool has only "
                                       f"{self.bm.num_usable}")
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
