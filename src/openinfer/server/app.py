@@ -485,12 +485,12 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
         parser.feed(how["prefill"])  # held inside the open tag: yields nothing
     # A forced call that does not complete comes back as content, led by that prefill, which the model
     # never wrote: it is cut from the first content (nothing else can come before it).
-    cut = [how["prefill"]]
+    cut = how["prefill"]
 
     def own_text(content: str | None) -> str | None:
-        if content and cut[0]:
-            content = content[len(cut[0]):] if content.startswith(cut[0]) else content
-            cut[0] = ""
+        nonlocal cut
+        if content and cut:
+            content, cut = content.removeprefix(cut), ""
         return content
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timer = RequestTimer(st.metrics, t0)
