@@ -16,6 +16,25 @@ constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// Per-thread partial sums of squares -> every thread's 1 / rms of each input row (red: [MT][kWarps]).
+template <int MT>
+__device__ __forceinline__ void block_rstd(float (&ss)[MT], float (&red)[MT][kWarps], float (&rstd)[MT], int K, float eps) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
+    if (lane == 0) red[m][warp] = ss[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < MT; ++m) {
+    float t = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) t += red[m][w];
+    rstd[m] = rsqrtf(t / K + eps);
+  }
+}
+
 // A block owns `rb` weight rows; each row is cut into `sw` K-slices, one per warp (rb * sw = 8), so a
 // warp's whole slice is one round of kL loads per lane (registers) for every Qwen3 shape. The first round
 // of weights is requested before anything else; the input staging and RMSNorm run while it streams in,
@@ -87,20 +106,8 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
       }
     }
     if (IN == (int)GemvIn::kRmsNorm) {  // the rmsnorm kernel's roundings, on the elements this thread staged
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-        if (lane == 0) red[m][warp] = ss[m];
-      }
-      __syncthreads();
       float rstd[MT];
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        float t = 0.f;
-#pragma unroll
-        for (int w = 0; w < kWarps; ++w) t += red[m][w];
-        rstd[m] = rsqrtf(t / K + a.eps);
-      }
+      block_rstd<MT>(ss, red, rstd, K, a.eps);
       for (int k = tid * 8; k < K; k += kThreads * 8) {
         const uint4 w = *reinterpret_cast<const uint4*>(a.norm_w + k);
         const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
@@ -153,18 +160,9 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
           ss[m] += f.x * f.x + f.y * f.y;
         }
       }
-      for (int o = 16; o > 0; o >>= 1) ss[m] += __shfl_xor_sync(0xffffffffu, ss[m], o);
-      if (lane == 0) red[m][warp] = ss[m];
     }
-    __syncthreads();
     float rstd[MT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      float t = 0.f;
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) t += red[m][w];
-      rstd[m] = rsqrtf(t / K + a.eps);
-    }
+    block_rstd<MT>(ss, red, rstd, K, a.eps);
     for (int k = tid * 8; k < K; k += kThreads * 8) {
       const uint4 w = *reinterpret_cast<const uint4*>(snw + k);
       const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
