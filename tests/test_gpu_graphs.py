@@ -169,6 +169,40 @@ def test_pdl_eager_steps_equal_plain(engine):
         np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
 
 
+@pytest.mark.parametrize("B,lens", [(1, None), (3, None), (64, None), (1, [2047]), (2, [1023, 1535]),
+                                    (4, [63, 64, 1024, 3000])])
+def test_rope_fused_into_attention_matches_separate(engine, B, lens):
+    """Decode buckets do the q/k norm, RoPE and K/V write inside attention; the same eager steps with the
+    separate kernel give the same bits over three steps, each reading the K/V the steps before wrote.
+    Long contexts take the merge between clusters; 63/64/1023/1535 put the newest key at a split edge."""
+    from openinfer import _engine
+
+    backend = engine.llm_engine.backend
+    args, next_block = _decode_batch(backend, B, np.random.default_rng(200 + B), 1, lens)
+    steps = [args]
+    ids, pos, qsl, ctx, bt = args[:5]
+    bt = np.concatenate([bt, np.zeros((B, 1), np.int32)], axis=1)
+    nb = -(-ctx // 16)  # blocks each row holds
+    for k in (1, 2):  # two more positions: at most one more block per row
+        p = pos + k
+        for i in range(B):
+            if p[i] // 16 >= nb[i]:
+                bt[i, nb[i]] = next_block + i
+        slots = (bt[np.arange(B), p // 16] * 16 + p % 16).astype(np.int32)
+        ids = np.random.default_rng(k).integers(0, 151643, B).astype(np.int32)
+        steps.append((ids, p, qsl, ctx + k, bt.copy(), slots, *args[6:]))
+    outs = []
+    for fused in (True, False):
+        _engine.ops.attention_fuse_rope(fused)
+        try:
+            outs.append([backend.step(*a, force_eager=True) for a in steps])
+        finally:
+            _engine.ops.attention_fuse_rope(True)
+    for f, u in zip(*outs):
+        np.testing.assert_array_equal(f.tokens, u.tokens)
+        np.testing.assert_array_equal(f.logprobs, u.logprobs)
+
+
 def test_graph_buckets(engine):
     """Powers of two plus one step between, from 16 on (13 graphs for 256 sequences)."""
     assert list(engine.llm_engine.backend.eng.graph_batches) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]

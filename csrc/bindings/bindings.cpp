@@ -272,6 +272,9 @@ PYBIND11_MODULE(_engine, m) {
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
           "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
+  ops.def("attention_fuse_rope", [](int on) { attention_fuse_rope() = on != 0; },
+          "A/B: decode buckets do q/k norm + RoPE + K/V write inside attention (1, default) or in their own "
+          "kernel (0); read when a bucket is launched or captured");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

@@ -299,6 +299,7 @@ StepMeta Engine::graph_meta(int batch) const {
   // One split count for every context a graph may see: sized for the longest (short ones leave splits empty).
   m.num_splits = attn_num_splits(batch, d_.kv_heads, graph_splits_max_ctx_, batch, num_sms_, max_split_rows_, group);
   m.num_logprobs = 0;
+  m.fuse_rope = attention_fuse_rope() && group <= 16;
   char* d = graph_dev_;
   m.ids = (const int32_t*)(d + ga_.ids);
   m.positions = (const int32_t*)(d + ga_.pos);

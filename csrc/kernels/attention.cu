@@ -155,14 +155,44 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   if (old_keys) prologue();
   pdl_wait();
   if (!old_keys) prologue();
-  for (int i = tid; i < kRows * (kD / 8); i += kThreads) {
-    const int r = i / (kD / 8), col = (i % (kD / 8)) * 8;
-    uint4 v = make_uint4(0, 0, 0, 0);
-    if (r < rows) {
-      const int t = w.tok_start + r / group, h = kvh * group + r % group;
-      v = *reinterpret_cast<const uint4*>(a.q + (int64_t)t * a.q_stride + h * kD + col);
+  if (a.fuse_rope) {  // a row per warp at a time, 4 dims per lane (r < rows is warp-uniform)
+    for (int r = warp; r < kRows; r += NW) {
+      uint2 v = make_uint2(0, 0);
+      if (r < rows) {
+        const int t = w.tok_start + r / group, h = kvh * group + r % group;
+        const uint2 raw = *reinterpret_cast<const uint2*>(a.q + (int64_t)t * a.q_stride + h * kD + lane * 4);
+        v = qk_norm_rope_lane(raw, a.q_norm_w, a.cos_sin + (int64_t)a.positions[t] * (kD / 2), a.eps, lane);
+      }
+      *reinterpret_cast<uint2*>(&sQ[r][lane * 4]) = v;
     }
-    *reinterpret_cast<uint4*>(&sQ[r][col]) = v;
+  } else {
+    for (int i = tid; i < kRows * (kD / 8); i += kThreads) {
+      const int r = i / (kD / 8), col = (i % (kD / 8)) * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (r < rows) {
+        const int t = w.tok_start + r / group, h = kvh * group + r % group;
+        v = *reinterpret_cast<const uint4*>(a.q + (int64_t)t * a.q_stride + h * kD + col);
+      }
+      *reinterpret_cast<uint4*>(&sQ[r][col]) = v;
+    }
+  }
+  // fuse_rope: the warp whose keys hold the item's newest (its own token's) makes that K/V, writes it to
+  // the cache for later steps and patches it into its tile below (the tile's copy of that slot may
+  // predate the write). No other warp or block reads the slot: key ranges are whole pages apart.
+  const int newest = kv_end - 1;
+  const bool owns_newest = a.fuse_rope && klo <= newest && newest < khi;  // warp-uniform (one warp per block without KW)
+  uint2 new_k = make_uint2(0, 0), new_v = make_uint2(0, 0);
+  if (owns_newest) {
+    const int t = w.tok_start;
+    const bf16* row = a.q + (int64_t)t * a.q_stride;
+    new_k = qk_norm_rope_lane(*reinterpret_cast<const uint2*>(row + (a.num_heads + kvh) * kD + lane * 4), a.k_norm_w,
+                              a.cos_sin + (int64_t)a.positions[t] * (kD / 2), a.eps, lane);
+    new_v = *reinterpret_cast<const uint2*>(row + (a.num_heads + a.kv.num_kv_heads + kvh) * kD + lane * 4);
+    const int slot = a.slots[t];
+    if (slot >= 0) {
+      *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, a.layer, slot, kvh, false) + lane * 4) = new_k;
+      *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, a.layer, slot, kvh, true) + lane * 4) = new_v;
+    }
   }
   // This thread's two rows (g and g + 8 of the warp): -1 masks every key (rows past the item).
   int pos[2];
@@ -201,6 +231,11 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     else cp_async_commit();
     cp_async_wait<kStages - 1>();
     tile_sync();
+    if (owns_newest && newest >= k0 && newest < k0 + KT) {  // warp-uniform; the warp's own tile (or block's one warp)
+      *reinterpret_cast<uint2*>(&sK[stage][newest - k0][lane * 4]) = new_k;
+      *reinterpret_cast<uint2*>(&sV[stage][newest - k0][lane * 4]) = new_v;
+      __syncwarp();
+    }
     if (warp_active) {
       float s[kNT][4];
 #pragma unroll
@@ -551,6 +586,11 @@ int& attention_cluster_cap() {
   return cap;
 }
 
+bool& attention_fuse_rope() {
+  static bool on = true;
+  return on;
+}
+
 int& attention_key_warps() {
   static int on = 1;
   return on;
@@ -616,6 +656,10 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_splits >= 1 && a.num_splits <= kAttnMaxSplits,
            "paged_attention: num_splits " << a.num_splits << " (1.." << kAttnMaxSplits << ")");
   OI_CHECK(a.num_splits == 1 || a.counters != nullptr, "paged_attention: splits need the counters");
+  OI_CHECK(!a.fuse_rope || (a.max_rows == a.num_heads / a.kv.num_kv_heads && a.max_rows <= 16 && a.q_norm_w &&
+                            a.k_norm_w && a.cos_sin && a.slots &&
+                            a.q_stride == (a.num_heads + 2 * a.kv.num_kv_heads) * kD),
+           "paged_attention: fuse_rope is for decode items of one token (max_rows == group <= 16) with its tables");
   if (a.num_work == 0) return;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   const dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);

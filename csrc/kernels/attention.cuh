@@ -17,7 +17,7 @@ struct AttnWork {
 struct AttnArgs {
   const bf16* q;             // q of token t, head h at q + t * q_stride + h * 128
   int q_stride;
-  const bf16* kv_cache;
+  bf16* kv_cache;               // read; written only with fuse_rope
   KvLayout kv;
   int layer;
   const int32_t* block_tables;  // [B, bt_stride]
@@ -34,6 +34,14 @@ struct AttnArgs {
   float* ws_o;                  // [num_splits, T, num_heads, 128]
   float* ws_lse;                // [num_splits, T, num_heads]
   int* counters;                // [num_work * num_kv_heads], zero; splits > 1 only (left zero after)
+  // Decode steps only (every item one token, max_rows == group <= 16): q/k RMSNorm + RoPE and the K/V
+  // write happen here instead of in qk_norm_rope_kv_write, a kernel fewer per layer; `q` then points at
+  // the raw qkv rows ([T, (heads + 2 kv_heads) * 128]) and the new K/V are made from there.
+  bool fuse_rope;
+  const bf16 *q_norm_w, *k_norm_w;  // [128]
+  const float2* cos_sin;            // rope_table_init's table
+  const int32_t* slots;             // [T]; < 0: no cache write
+  float eps;
 };
 
 constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16
@@ -56,6 +64,10 @@ int& attention_cluster_cap();
 
 constexpr int kAttnMaxEarlyItems = 8;  // decode grids of up to this many items launch early (PDL)
 constexpr int kAttnKeyWarps = 4;       // warps of a decode block that split its keys
+
+// A/B switch (default on), read when a decode bucket is launched or captured: q/k norm + RoPE + K/V
+// write inside decode attention, or its own kernel.
+bool& attention_fuse_rope();
 
 // A/B switch (default 1): decode blocks of kAttnKeyWarps warps splitting the keys (attention.cu); 0
 // keeps one warp per block.

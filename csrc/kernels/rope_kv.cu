@@ -37,39 +37,13 @@ __global__ void qk_norm_rope_kv_kernel(bf16* __restrict__ qkv, const bf16* __res
     if (h >= heads) return;
     bf16* src = row + h * kD + lane * 4;
     uint2 raw = *reinterpret_cast<const uint2*>(src);
-    __nv_bfloat162 a = *reinterpret_cast<__nv_bfloat162*>(&raw.x), b = *reinterpret_cast<__nv_bfloat162*>(&raw.y);
     const bool is_v = h >= nH + nKV;
-    if (!is_v) {
-      float x[4] = {__low2float(a), __high2float(a), __low2float(b), __high2float(b)};
-      float ss = x[0] * x[0] + x[1] * x[1] + x[2] * x[2] + x[3] * x[3];
-      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float rstd = rsqrtf(ss / kD + eps);
-      const bf16* w = (h < nH ? qw : kw) + lane * 4;
-      float y[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) y[i] = __bfloat162float(__float2bfloat16(__bfloat162float(__float2bfloat16(x[i] * rstd)) * __bfloat162float(w[i])));
-      // neox rotation pairs dim d with d + 64: lane l holds d = 4l.., lane l^16 holds the partner
-      const float2* cs = cos_sin + (int64_t)pos * (kD / 2) + (lane & 15) * 4;
-      float r[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float other = __shfl_xor_sync(0xffffffffu, y[i], 16);
-        const float2 c = cs[i];
-        r[i] = lane < 16 ? y[i] * c.x - other * c.y : y[i] * c.x + other * c.y;
-      }
-      a = __floats2bfloat162_rn(r[0], r[1]);
-      b = __floats2bfloat162_rn(r[2], r[3]);
-      raw.x = *reinterpret_cast<uint32_t*>(&a);
-      raw.y = *reinterpret_cast<uint32_t*>(&b);
-    }
+    if (!is_v) raw = qk_norm_rope_lane(raw, h < nH ? qw : kw, cos_sin + (int64_t)pos * (kD / 2), eps, lane);
     if (h < nH) {
       *reinterpret_cast<uint2*>(src) = raw;
     } else if (slot >= 0) {
       const int kvh = is_v ? h - nH - nKV : h - nH;
-      const int64_t page = slot / kv.block_size, off = slot % kv.block_size;
-      bf16* dst = cache + page * kv.block_stride() + layer * kv.layer_stride() +
-                  (int64_t)(is_v ? 1 : 0) * nKV * kv.block_size * kD + ((int64_t)kvh * kv.block_size + off) * kD + lane * 4;
-      *reinterpret_cast<uint2*>(dst) = raw;
+      *reinterpret_cast<uint2*>(cache + kv_row_offset(kv, layer, slot, kvh, is_v) + lane * 4) = raw;
     }
   }
 }

@@ -42,7 +42,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
            num_sms, s);
     const int skip = model_skip_kernels();
-    if (!(skip & 1))
+    if (!(skip & 1) && !m.fuse_rope)
       qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                             d.eps, s);
     AttnArgs at{};
@@ -65,6 +65,12 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     at.ws_o = a.ws_o;
     at.ws_lse = a.ws_lse;
     at.counters = a.attn_counters;
+    at.fuse_rope = m.fuse_rope;
+    at.q_norm_w = lw.q_norm;
+    at.k_norm_w = lw.k_norm;
+    at.cos_sin = rope;
+    at.slots = m.slots;
+    at.eps = d.eps;
     if (!(skip & 2)) paged_attention(at, s);
     // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
     linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr,

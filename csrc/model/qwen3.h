@@ -48,6 +48,7 @@ struct StepMeta {
   const uint64_t* seeds;
   const AttnWork* work;
   int num_logprobs;
+  bool fuse_rope;  // decode buckets: q/k norm + RoPE + K/V write inside the attention kernel
   int32_t *out_tokens, *out_top_ids;
   float *out_logprobs, *out_top_logprobs;
 };
