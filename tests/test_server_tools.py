@@ -40,6 +40,8 @@ def script(prompt: str) -> str:
                 + call("get_weather", {"city": "Zürich"}))
     if "broken" in last:
         return "Oops <tool_call>\n{\"name\": get_weather}\n</tool_call>"
+    if prompt.endswith("<tool_call>\n"):  # tool_choice "required": the prompt opened a call
+        return json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}}) + "\n</tool_call>"
     if "arguments\": " in prompt[-40:]:  # a forced (named) call: the prompt opened it already
         if "cut short" in last:  # as when max_tokens ends it mid-arguments
             return '{"city": "Os'
@@ -223,6 +225,38 @@ def test_forced_call_cut_short_returns_only_what_the_model_wrote(srv, client, st
         m = client.chat.completions.create(model=NAME, **kw).choices[0].message
         content, calls = m.content, m.tool_calls or []
     assert calls == [] and content == '{"city": "Os'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_required_tool_choice_opens_a_call(srv, client, stream):
+    """tool_choice "required": the server opens the answer with a call (the model picks the function),
+    after the thinking block it would otherwise write."""
+    kw = dict(messages=[{"role": "user", "content": "Anything"}], tools=TOOLS, tool_choice="required")
+    if stream:
+        content, reasoning, calls, finish = stream_message(client, **kw)
+    else:
+        r = client.chat.completions.create(model=NAME, **kw)
+        m, finish = r.choices[0].message, r.choices[0].finish_reason
+        content, reasoning = m.content, getattr(m, "reasoning_content", None)  # absent: none was sent
+        calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
+    assert srv.engine.prompts[-1].endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert '"name": "get_weather"' in srv.engine.prompts[-1]  # every tool stays offered
+    assert finish == "tool_calls" and not content and not reasoning
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Rome"})]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_parallel_tool_calls_false_keeps_the_first_call(srv, client, stream):
+    kw = dict(messages=[{"role": "user", "content": "weather in two cities"}], tools=TOOLS,
+              parallel_tool_calls=False)
+    if stream:
+        content, _, calls, finish = stream_message(client, **kw)
+        args = [json.loads(c["arguments"]) for c in calls]
+    else:
+        r = client.chat.completions.create(model=NAME, **kw)
+        m, finish = r.choices[0].message, r.choices[0].finish_reason
+        content, args = m.content, [json.loads(c.function.arguments) for c in m.tool_calls]
+    assert content == "Checking both." and args == [{"city": "Paris"}] and finish == "tool_calls"
 
 
 def test_tool_choice_none_leaves_text_alone(srv, client):

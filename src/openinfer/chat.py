@@ -268,12 +268,14 @@ class ToolCallStreamParser:
     `feed(delta)` / `finish()` return (content_delta, [ToolCall, ...]). Text that might still become
     part of a tag is held back, so tag text never reaches content. Whitespace next to a well-formed
     block is dropped (it is only the model's separator); a malformed or unclosed block is returned
-    as content, verbatim.
+    as content, verbatim. With `max_calls` (parallel_tool_calls=false: 1), everything after that
+    many calls is dropped.
     """
 
-    def __init__(self):
+    def __init__(self, max_calls: int | None = None):
         self._buf = ""
         self._after_call = False  # strip whitespace that follows a parsed call
+        self._max_calls = max_calls
         self.calls: list[ToolCall] = []
 
     def _content(self, text: str, out: list[str]) -> None:
@@ -287,7 +289,7 @@ class ToolCallStreamParser:
         out: list[str] = []
         calls: list[ToolCall] = []
         buf = self._buf
-        while True:
+        while self._max_calls is None or len(self.calls) + len(calls) < self._max_calls:
             i = buf.find(TOOL_CALL_START)
             if i < 0:
                 if final:
@@ -320,6 +322,8 @@ class ToolCallStreamParser:
                 calls.append(call)
                 self._after_call = True
             buf = buf[end:]
+        else:
+            buf = ""  # the last call allowed is out: the rest is dropped
         self._buf = buf
         self.calls.extend(calls)
         return "".join(out), calls
@@ -427,9 +431,10 @@ class ChatDelta:
 class ChatOutputParser:
     """Reasoning split first, then tool calls out of the content: the whole chat-output pipeline."""
 
-    def __init__(self, reasoning: bool = True, tools: bool = True, started_in_think: bool = False):
+    def __init__(self, reasoning: bool = True, tools: bool = True, started_in_think: bool = False,
+                 max_tool_calls: int | None = None):
         self._reason = ReasoningStreamParser(enabled=reasoning, started_in_think=started_in_think)
-        self._tools = ToolCallStreamParser() if tools else None
+        self._tools = ToolCallStreamParser(max_tool_calls) if tools else None
         self.num_tool_calls = 0
 
     def _chain(self, r: str, c: str, final: bool) -> ChatDelta:

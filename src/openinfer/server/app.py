@@ -348,6 +348,10 @@ def _render_chat(st: ServerState, req) -> tuple[str, dict]:
         # arguments. The parser sees the prefill as if the model had written it.
         prefill = TOOL_CALL_START + "\n" + json.dumps({"name": req.named_tool})[:-1] + ", \"arguments\": "
         reasoning = False
+    elif req.tool_choice == "required" and tools:
+        # Some call is required: the answer opens with a call, and the model picks the function.
+        prefill = TOOL_CALL_START + "\n"
+        reasoning = False
     return prompt + prefill, {"reasoning": reasoning, "started_in_think": tail.endswith(THINK_START),
                               "tools": tools is not None, "prefill": prefill}
 
@@ -480,7 +484,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     params = _sampling_params(req.gen)
     group = await _submit(st, [ids], params, "messages")
     parser = ChatOutputParser(reasoning=how["reasoning"], tools=how["tools"],
-                              started_in_think=how["started_in_think"])
+                              started_in_think=how["started_in_think"],
+                              max_tool_calls=None if req.parallel_tool_calls else 1)
     if how["prefill"]:
         parser.feed(how["prefill"])  # held inside the open tag: yields nothing
     # A forced call that does not complete comes back as content, led by that prefill, which the model

@@ -189,6 +189,7 @@ class ChatRequest:
     add_generation_prompt: bool
     gen: GenParams
     named_tool: str | None = field(default=None)
+    parallel_tool_calls: bool = True  # False: a response carries at most the first call
 
 
 def model_field(body: dict) -> str | None:
@@ -267,4 +268,5 @@ def parse_chat(body: Any, defaults: dict | None = None) -> ChatRequest:
     agp = _opt(body, "add_generation_prompt", lambda v: isinstance(v, bool), "a boolean", True)
     gen = _gen_params(body, chat=True, default_max_tokens=None, defaults=defaults)
     return ChatRequest(model_field(body), messages, tools, tool_choice, thinking,
-                       {k: v for k, v in kwargs.items() if k != "enable_thinking"}, agp, gen, named)
+                       {k: v for k, v in kwargs.items() if k != "enable_thinking"}, agp, gen, named,
+                       parallel_tool_calls=ptc is not False)
