@@ -37,6 +37,30 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   using In = GemvIn;
   using Out = GemvOut;
   embedding_lookup(w.embed, m.ids, a.x, T, H, s);
+  // The attention arguments of this step; each layer sets its own index and q/k norm weights.
+  AttnArgs at{};
+  at.q = a.qkv;
+  at.q_stride = d.qkv_rows();
+  at.kv_cache = kv_cache;
+  at.kv = kv;
+  at.block_tables = m.block_tables;
+  at.bt_stride = m.bt_stride;
+  at.positions = m.positions;
+  at.context_lens = m.context_lens;
+  at.work = m.work;
+  at.num_work = m.num_work;
+  at.num_tokens = T;
+  at.num_heads = d.heads;
+  at.num_splits = m.num_splits;
+  at.max_rows = m.max_rows;
+  at.out = a.attn;
+  at.ws_o = a.ws_o;
+  at.ws_lse = a.ws_lse;
+  at.counters = a.attn_counters;
+  at.fuse_rope = m.fuse_rope;
+  at.cos_sin = rope;
+  at.slots = m.slots;
+  at.eps = d.eps;
   for (int l = 0; l < d.layers; ++l) {
     const LayerWeights& lw = w.layers[l];
     linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
@@ -45,32 +69,9 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     if (!(skip & 1) && !m.fuse_rope)
       qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                             d.eps, s);
-    AttnArgs at{};
-    at.q = a.qkv;
-    at.q_stride = d.qkv_rows();
-    at.kv_cache = kv_cache;
-    at.kv = kv;
     at.layer = l;
-    at.block_tables = m.block_tables;
-    at.bt_stride = m.bt_stride;
-    at.positions = m.positions;
-    at.context_lens = m.context_lens;
-    at.work = m.work;
-    at.num_work = m.num_work;
-    at.num_tokens = T;
-    at.num_heads = d.heads;
-    at.num_splits = m.num_splits;
-    at.max_rows = m.max_rows;
-    at.out = a.attn;
-    at.ws_o = a.ws_o;
-    at.ws_lse = a.ws_lse;
-    at.counters = a.attn_counters;
-    at.fuse_rope = m.fuse_rope;
     at.q_norm_w = lw.q_norm;
     at.k_norm_w = lw.k_norm;
-    at.cos_sin = rope;
-    at.slots = m.slots;
-    at.eps = d.eps;
     if (!(skip & 2)) paged_attention(at, s);
     // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
     linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr,
