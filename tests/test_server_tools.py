@@ -247,6 +247,8 @@ def test_required_tool_choice_opens_a_call(srv, client, stream):
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_parallel_tool_calls_false_keeps_the_first_call(srv, client, stream):
+    """The response ends with the first call, and the request stops there (the tokens counted are
+    fewer than those of the whole answer)."""
     kw = dict(messages=[{"role": "user", "content": "weather in two cities"}], tools=TOOLS,
               parallel_tool_calls=False)
     if stream:
@@ -256,6 +258,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call(srv, client, stream):
         r = client.chat.completions.create(model=NAME, **kw)
         m, finish = r.choices[0].message, r.choices[0].finish_reason
         content, args = m.content, [json.loads(c.function.arguments) for c in m.tool_calls]
+        whole = client.chat.completions.create(model=NAME, **{**kw, "parallel_tool_calls": True})
+        assert len(whole.choices[0].message.tool_calls) == 2
+        assert r.usage.completion_tokens < whole.usage.completion_tokens
     assert content == "Checking both." and args == [{"city": "Paris"}] and finish == "tool_calls"
 
 

@@ -427,6 +427,10 @@ class ChatDelta:
     def __bool__(self):
         return bool(self.reasoning or self.content or self.tool_calls)
 
+    def join(self, later: "ChatDelta") -> "ChatDelta":
+        return ChatDelta(self.reasoning + later.reasoning, self.content + later.content,
+                         self.tool_calls + later.tool_calls)
+
 
 class ChatOutputParser:
     """Reasoning split first, then tool calls out of the content: the whole chat-output pipeline."""
@@ -435,7 +439,13 @@ class ChatOutputParser:
                  max_tool_calls: int | None = None):
         self._reason = ReasoningStreamParser(enabled=reasoning, started_in_think=started_in_think)
         self._tools = ToolCallStreamParser(max_tool_calls) if tools else None
+        self._max_calls = max_tool_calls
         self.num_tool_calls = 0
+
+    @property
+    def capped(self) -> bool:
+        """The last call allowed is out: nothing the model writes after it will be returned."""
+        return self._max_calls is not None and self.num_tool_calls >= self._max_calls
 
     def _chain(self, r: str, c: str, final: bool) -> ChatDelta:
         if self._tools is None:
@@ -455,7 +465,4 @@ class ChatOutputParser:
 
     def parse(self, text: str) -> ChatDelta:
         """Whole text at once (non-streaming): content is None-able in the caller."""
-        a = self.feed(text)
-        b = self.finish()
-        return ChatDelta(a.reasoning + b.reasoning, a.content + b.content,
-                         a.tool_calls + b.tool_calls)
+        return self.feed(text).join(self.finish())

@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatError, ChatOutputParser,
+from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatDelta, ChatError, ChatOutputParser,
                     ChatTemplate, loads_text_json, normalize_messages, normalize_tools)
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams
@@ -159,10 +159,12 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _collect(request: Request, group, on_update) -> bool:
-    """Feeds every update to on_update; False (requests aborted) when the client went away."""
+    """Feeds every update to on_update until it returns True (the rest is aborted) or all finish;
+    False (requests aborted) when the client went away."""
     async def consume():
         async for idx, u in group.updates():
-            on_update(idx, u)
+            if on_update(idx, u):
+                break
 
     work = asyncio.ensure_future(consume())
     watch = asyncio.ensure_future(_until_disconnect(request))
@@ -524,7 +526,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     d = parser.feed(u.new_text)
                     d.content = own_text(d.content)
                     delta, tool_index = _delta_json(d, tool_index)
-                    if u.finished:
+                    done = u.finished or parser.capped  # capped: the one call allowed is out
+                    if done:
                         f = parser.finish()
                         f.content = own_text(f.content)
                         tail, tool_index = _delta_json(f, tool_index)
@@ -534,9 +537,10 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     lp = {"content": _chat_logprobs(st.tokenizer, rows)} if rows else None
                     if delta or lp:
                         yield _sse(chunk(delta, lp=lp))
-                    if u.finished:
+                    if done:
                         timer.finish()
-                        yield _sse(chunk({}, fr=finish_reason(u.finish_reason)))
+                        yield _sse(chunk({}, fr=finish_reason(u.finish_reason if u.finished else "stop")))
+                        break  # SSEResponse's on_close aborts what the model would still write
                 if req.gen.include_usage:
                     yield _sse(chunk(None, usage=_usage(len(ids), n_gen), choices=False))
             except Exception as e:
@@ -544,22 +548,25 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
             yield "data: [DONE]\n\n"
         return SSEResponse(events(), group.close)
 
-    text, n_gen, rows, fin = [], 0, [], [None]
+    got, n_gen, rows, fin = [], 0, [], [None]
 
-    def on_update(_, u):
+    def on_update(_, u) -> bool:
         nonlocal n_gen
         timer.tokens_arrived(len(u.new_token_ids), now())
-        text.append(u.new_text)
+        got.append(parser.feed(u.new_text))
         n_gen += len(u.new_token_ids)
         if want_lp:
             rows.extend(_logprob_rows(u))
-        if u.finished:
-            fin[0] = u.finish_reason
+        if u.finished or parser.capped:  # capped: the one call allowed is out, the rest is aborted
+            fin[0] = u.finish_reason if u.finished else "stop"
             timer.finish()
+        return parser.capped
 
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
-    d = parser.parse("".join(text))
+    d = ChatDelta()
+    for g in got + [parser.finish()]:
+        d = d.join(g)
     d.content = own_text(d.content)
     message: dict = {"role": "assistant",
                      "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
