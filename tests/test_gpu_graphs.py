@@ -169,12 +169,15 @@ def test_pdl_eager_steps_equal_plain(engine):
         np.testing.assert_array_equal(outs[0].logits, outs[1].logits)
 
 
-@pytest.mark.parametrize("B,lens", [(1, None), (3, None), (64, None), (1, [2047]), (2, [1023, 1535]),
-                                    (4, [63, 64, 1024, 3000])])
-def test_rope_fused_into_attention_matches_separate(engine, B, lens):
+@pytest.mark.parametrize("B,lens,kernel", [
+    (1, None, "key warps"), (3, None, "key warps"), (32, None, "key warps"), (64, None, "key warps"),
+    (1, [2047], "key warps"), (2, [1023, 1535], "key warps"), (4, [63, 64, 1024, 3000], "key warps"),
+    (1, [2047], "one warp"), (2, [1023, 1535], "one warp"), (2, [1023, 1535], "no clusters")])
+def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
     """Decode buckets do the q/k norm, RoPE and K/V write inside attention; the same eager steps with the
     separate kernel give the same bits over three steps, each reading the K/V the steps before wrote.
-    Long contexts take the merge between clusters; 63/64/1023/1535 put the newest key at a split edge."""
+    Long contexts take the merge between clusters; 63/64/1023/1535 put the newest key at a split edge;
+    the last three run the one-warp kernel (clusters, then the workspace merge alone)."""
     from openinfer import _engine
 
     backend = engine.llm_engine.backend
@@ -194,10 +197,14 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens):
     outs = []
     for fused in (True, False):
         _engine.ops.attention_fuse_rope(fused)
+        _engine.ops.attention_key_warps(kernel == "key warps")  # one warp: one-warp blocks and clusters
+        _engine.ops.attention_cluster_cap(1 if kernel == "no clusters" else 0)  # workspace merges only
         try:
             outs.append([backend.step(*a, force_eager=True) for a in steps])
         finally:
             _engine.ops.attention_fuse_rope(True)
+            _engine.ops.attention_key_warps(1)
+            _engine.ops.attention_cluster_cap(0)
     for f, u in zip(*outs):
         np.testing.assert_array_equal(f.tokens, u.tokens)
         np.testing.assert_array_equal(f.logprobs, u.logprobs)

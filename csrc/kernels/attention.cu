@@ -67,8 +67,9 @@ __device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.c
 // cluster merge. A batch-1 block then has NW tiles in flight where a one-warp block has one, and the
 // split count falls by NW, so a cluster of 16 covers the keys without the workspace merge.
 // Under PDL (decode of up to kAttnMaxEarlyItems items) the block reads the step's metadata and requests
-// its first K/V tile before `pdl_wait()` when that tile holds only keys of earlier steps: the previous
-// kernel (this layer's q/k norm + RoPE + KV write) writes Q and this step's keys alone. No early
+// its first K/V tile before `pdl_wait()` when that tile holds only keys of earlier steps: the kernels
+// before it write q and this step's keys alone (the qkv projection; without fuse_rope, then the q/k
+// norm + RoPE + KV write kernel; with it, this kernel writes the newest keys itself). No early
 // trigger: the o projection's weight requests would compete with the merge (a trigger after the key
 // loop measured 3-6% slower per step at batch 1).
 template <int NW, int KT, bool CLU, bool KW>

@@ -57,7 +57,6 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   at.ws_o = a.ws_o;
   at.ws_lse = a.ws_lse;
   at.counters = a.attn_counters;
-  at.fuse_rope = m.fuse_rope;
   at.cos_sin = rope;
   at.slots = m.slots;
   at.eps = d.eps;
@@ -70,6 +69,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
       qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                             d.eps, s);
     at.layer = l;
+    at.fuse_rope = m.fuse_rope && !(skip & 1);  // profiling bit 0: no q/k norm + RoPE + KV write at all
     at.q_norm_w = lw.q_norm;
     at.k_norm_w = lw.k_norm;
     if (!(skip & 2)) paged_attention(at, s);

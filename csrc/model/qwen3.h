@@ -53,8 +53,9 @@ struct StepMeta {
   float *out_logprobs, *out_top_logprobs;
 };
 
-// Profiling only (outputs are wrong while set): bit 0 skips the q/k norm + RoPE + KV write, bit 1 the
-// attention, so a benchmark can read their share of a step.
+// Profiling only (outputs are wrong while set): bit 0 skips the q/k norm + RoPE + KV write (its kernel,
+// or its part of decode attention), bit 1 the attention (in decode buckets the RoPE work inside it
+// too), so a benchmark can read their share of a step.
 int& model_skip_kernels();
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
