@@ -254,9 +254,12 @@ def test_chat_template_options_reach_prompt(server):
     assert p.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     p = text(tokenize(server, messages=USER, tools=tools, tool_choice="none"))
     assert "<tools>" not in p
-    p = text(tokenize(server, messages=USER, tools=tools,
-                      tool_choice={"type": "function", "function": {"name": "get_weather"}}))
-    assert p.endswith('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": ')
+    # a forced call follows an empty think block: the template's own (enable_thinking false) or ours
+    forced = '<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": '
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    assert text(tokenize(server, messages=USER, tools=tools, tool_choice=named)).endswith(forced)
+    assert text(tokenize(server, messages=USER, tools=tools, tool_choice=named,
+                         chat_template_kwargs={"enable_thinking": False})).endswith(forced)
     # any variable name is the template's, "self" too (it collided with a Python parameter: a 500)
     same = text(tokenize(server, messages=USER, chat_template_kwargs={"self": 1, "enable_thinking": False}))
     assert same == text(tokenize(server, messages=USER, chat_template_kwargs={"enable_thinking": False}))

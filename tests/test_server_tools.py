@@ -41,7 +41,10 @@ def script(prompt: str) -> str:
     if "broken" in last:
         return "Oops <tool_call>\n{\"name\": get_weather}\n</tool_call>"
     if prompt.endswith("<tool_call>\n"):  # tool_choice "required": the prompt opened a call
-        return json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}}) + "\n</tool_call>"
+        out = json.dumps({"name": "get_weather", "arguments": {"city": "Rome"}}) + "\n</tool_call>"
+        if "then a bad one" in last:
+            out += "\n<tool_call>\n{\"name\": get_weather}\n</tool_call>"
+        return out
     if "arguments\": " in prompt[-40:]:  # a forced (named) call: the prompt opened it already
         if "cut short" in last:  # as when max_tokens ends it mid-arguments
             return '{"city": "Os'
@@ -230,7 +233,7 @@ def test_forced_call_cut_short_returns_only_what_the_model_wrote(srv, client, st
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 def test_required_tool_choice_opens_a_call(srv, client, stream):
     """tool_choice "required": the server opens the answer with a call (the model picks the function),
-    after the thinking block it would otherwise write."""
+    after an empty think block, as the template writes one for enable_thinking=False."""
     kw = dict(messages=[{"role": "user", "content": "Anything"}], tools=TOOLS, tool_choice="required")
     if stream:
         content, reasoning, calls, finish = stream_message(client, **kw)
@@ -239,10 +242,30 @@ def test_required_tool_choice_opens_a_call(srv, client, stream):
         m, finish = r.choices[0].message, r.choices[0].finish_reason
         content, reasoning = m.content, getattr(m, "reasoning_content", None)  # absent: none was sent
         calls = [{"name": c.function.name, "arguments": c.function.arguments} for c in m.tool_calls]
-    assert srv.engine.prompts[-1].endswith("<|im_start|>assistant\n<tool_call>\n")
+    assert srv.engine.prompts[-1].endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n<tool_call>\n")
     assert '"name": "get_weather"' in srv.engine.prompts[-1]  # every tool stays offered
     assert finish == "tool_calls" and not content and not reasoning
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Rome"})]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_forced_call_then_a_malformed_block_keeps_its_text(srv, client, stream):
+    """The pre-filled opening is cut only from what the parser returns first: a malformed block after a
+    good call comes back verbatim (it lost its opening tag before)."""
+    kw = dict(model=NAME, messages=[{"role": "user", "content": "one call then a bad one"}], tools=TOOLS,
+              tool_choice="required")
+    if stream:
+        content, args = "", {}
+        for ch in client.chat.completions.create(stream=True, **kw):
+            d = ch.choices[0].delta if ch.choices else None
+            content += (d and d.content) or ""
+            for tc in (d and d.tool_calls) or []:
+                args[tc.index] = args.get(tc.index, "") + ((tc.function and tc.function.arguments) or "")
+        args = [json.loads(args[k]) for k in sorted(args)]
+    else:
+        m = client.chat.completions.create(**kw).choices[0].message
+        content, args = m.content, [json.loads(c.function.arguments) for c in m.tool_calls]
+    assert args == [{"city": "Rome"}] and content == '<tool_call>\n{"name": get_weather}\n</tool_call>'
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])

@@ -345,14 +345,18 @@ def _render_chat(st: ServerState, req) -> tuple[str, dict]:
     tail = prompt.rstrip()
     reasoning = not tail.endswith(THINK_END)  # enable_thinking=False closed the block already
     prefill = ""
-    if req.named_tool:
-        # Forcing a named function: write the call's opening ourselves; the model fills in the
-        # arguments. The parser sees the prefill as if the model had written it.
-        prefill = TOOL_CALL_START + "\n" + json.dumps({"name": req.named_tool})[:-1] + ", \"arguments\": "
-        reasoning = False
-    elif req.tool_choice == "required" and tools:
-        # Some call is required: the answer opens with a call, and the model picks the function.
+    if (req.named_tool or (req.tool_choice == "required" and tools)) and req.add_generation_prompt:
+        # A forced call: the answer opens with the call, written by us (a named function: its name
+        # too, and the model writes the arguments; "required": the model picks the function). The
+        # parser sees the prefill as if the model had written it. A template that thinks gets its
+        # think block closed empty first, as its enable_thinking=False form does, so that the call
+        # comes where the model would write it.
+        if reasoning and THINK_START in st.template.source:
+            opened = tail.endswith(THINK_START)
+            prompt = (tail if opened else prompt + THINK_START) + "\n\n" + THINK_END + "\n\n"
         prefill = TOOL_CALL_START + "\n"
+        if req.named_tool:
+            prefill += json.dumps({"name": req.named_tool})[:-1] + ", \"arguments\": "
         reasoning = False
     return prompt + prefill, {"reasoning": reasoning, "started_in_think": tail.endswith(THINK_START),
                               "tools": tools is not None, "prefill": prefill}
@@ -491,14 +495,15 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     if how["prefill"]:
         parser.feed(how["prefill"])  # held inside the open tag: yields nothing
     # A forced call that does not complete comes back as content, led by that prefill, which the model
-    # never wrote: it is cut from the first content (nothing else can come before it).
+    # never wrote: it is cut from the first content (nothing else can come before it). Once the parser
+    # gives a call or content, the prefill has been accounted for.
     cut = how["prefill"]
 
-    def own_text(content: str | None) -> str | None:
+    def own(d):
         nonlocal cut
-        if content and cut:
-            content, cut = content.removeprefix(cut), ""
-        return content
+        if cut and (d.content or d.tool_calls):
+            d.content, cut = d.content.removeprefix(cut), ""
+        return d
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timer = RequestTimer(st.metrics, t0)
     want_lp = req.gen.logprobs is not None
@@ -523,13 +528,11 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                 async for _, u in group.updates():
                     timer.tokens_arrived(len(u.new_token_ids), now())
                     n_gen += len(u.new_token_ids)
-                    d = parser.feed(u.new_text)
-                    d.content = own_text(d.content)
+                    d = own(parser.feed(u.new_text))
                     delta, tool_index = _delta_json(d, tool_index)
                     done = u.finished or parser.capped  # capped: the one call allowed is out
                     if done:
-                        f = parser.finish()
-                        f.content = own_text(f.content)
+                        f = own(parser.finish())
                         tail, tool_index = _delta_json(f, tool_index)
                         for k, v in tail.items():
                             delta[k] = delta[k] + v if k in delta else v
@@ -540,7 +543,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     if done:
                         timer.finish()
                         yield _sse(chunk({}, fr=finish_reason(u.finish_reason if u.finished else "stop")))
-                        break  # SSEResponse's on_close aborts what the model would still write
+                        group.close()  # capped: what the model would still write is not wanted
+                        break
                 if req.gen.include_usage:
                     yield _sse(chunk(None, usage=_usage(len(ids), n_gen), choices=False))
             except Exception as e:
@@ -553,7 +557,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     def on_update(_, u) -> bool:
         nonlocal n_gen
         timer.tokens_arrived(len(u.new_token_ids), now())
-        got.append(parser.feed(u.new_text))
+        got.append(own(parser.feed(u.new_text)))
         n_gen += len(u.new_token_ids)
         if want_lp:
             rows.extend(_logprob_rows(u))
@@ -565,9 +569,8 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
     d = ChatDelta()
-    for g in got + [parser.finish()]:
+    for g in got + [own(parser.finish())]:
         d = d.join(g)
-    d.content = own_text(d.content)
     message: dict = {"role": "assistant",
                      "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
                      else None}
