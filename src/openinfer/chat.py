@@ -278,6 +278,11 @@ class ToolCallStreamParser:
         self._max_calls = max_calls
         self.calls: list[ToolCall] = []
 
+    @property
+    def capped(self) -> bool:
+        """The last call allowed is out: nothing the model writes after it will be returned."""
+        return self._max_calls is not None and len(self.calls) >= self._max_calls
+
     def _content(self, text: str, out: list[str]) -> None:
         if self._after_call:
             text = text.lstrip()
@@ -439,13 +444,11 @@ class ChatOutputParser:
                  max_tool_calls: int | None = None):
         self._reason = ReasoningStreamParser(enabled=reasoning, started_in_think=started_in_think)
         self._tools = ToolCallStreamParser(max_tool_calls) if tools else None
-        self._max_calls = max_tool_calls
         self.num_tool_calls = 0
 
     @property
     def capped(self) -> bool:
-        """The last call allowed is out: nothing the model writes after it will be returned."""
-        return self._max_calls is not None and self.num_tool_calls >= self._max_calls
+        return self._tools is not None and self._tools.capped
 
     def _chain(self, r: str, c: str, final: bool) -> ChatDelta:
         if self._tools is None:
