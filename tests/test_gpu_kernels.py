@@ -402,16 +402,40 @@ def _gemv_ref(x, nw, w, pro, epi, y0):
     return out if y0 is None else out + f32(y0)
 
 
-@pytest.mark.parametrize("fp32_input", [1, 0])
+@pytest.mark.parametrize("mode", ["fp32_input", "bf16_input", "tensor_cores"])
 @pytest.mark.parametrize("model", list(GEMV_CASES))
 @pytest.mark.parametrize("M", [1, 2])
-def test_fused_gemv(model, M, fp32_input):
-    """Both stagings of the input: fp32 (the default where it fits; 32B's down projection stays bf16) and bf16."""
-    ops().gemv_fp32_input(fp32_input)
+def test_fused_gemv(model, M, mode):
+    """Both stagings of the input: fp32 (the default where it fits; 32B's down projection stays bf16) and bf16;
+    and the tensor-core kernel (bf16 input, two rows per warp: the odd shapes end on half a pair)."""
+    ops().gemv_fp32_input(int(mode == "fp32_input"))
+    ops().gemv_tensor_cores(int(mode == "tensor_cores"))
     try:
         _fused_gemv_case(model, M)
     finally:
         ops().gemv_fp32_input(1)
+        ops().gemv_tensor_cores(0)
+
+
+def test_fused_gemv_tensor_cores_rows_agree():
+    """The tensor-core GEMV gives a row the same bits alone and beside another row (batch 1 and 2 steps
+    agree), and stays within fp32-accumulation noise of the CUDA-core kernel on the bf16 staging."""
+    rng = np.random.default_rng(7)
+    N, K = 2560, 9728
+    w = _weights(N, K)
+    x = rand_bf16(rng, (2, K), 2.0)
+    try:
+        ops().gemv_tensor_cores(1)
+        two = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6))
+        one = f32(ops().gemv(x[:1], None, w, 1, N, K, 0, 0, None, 1e-6))
+        ops().gemv_tensor_cores(0)
+        ops().gemv_fp32_input(0)
+        cuda_cores = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6))
+    finally:
+        ops().gemv_tensor_cores(0)
+        ops().gemv_fp32_input(1)
+    np.testing.assert_array_equal(one[0], two[0])
+    assert rel_err(two, cuda_cores) < TOL["bf16_out"]
 
 
 def _fused_gemv_case(model, M):

@@ -35,6 +35,60 @@ __device__ __forceinline__ void block_rstd(float (&ss)[MT], float (&red)[MT][kWa
   }
 }
 
+// The input rows staged in shared memory as bf16 ([MT][K], then the [K] norm weight), RMSNorm applied in
+// place with the rmsnorm kernel's roundings, each thread on the elements it staged. Ends with a barrier.
+template <int MT, int IN>
+__device__ __forceinline__ void stage_bf16(const GemvArgs& a, bf16* sx) {
+  const int K = a.K, tid = threadIdx.x;
+  bf16* snw = sx + MT * K;  // [K] norm weight
+  for (int k = tid * 8; k < K; k += kThreads * 8) {
+#pragma unroll
+    for (int m = 0; m < MT; ++m) cp_async16(sx + (int64_t)m * K + k, a.x + (int64_t)(m < a.M ? m : 0) * K + k, m < a.M);
+    if (IN == (int)GemvIn::kRmsNorm) cp_async16(snw + k, a.norm_w + k, true);
+  }
+  cp_async_commit();
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // Prologue: RMSNorm in place, each thread on the elements it staged (the rmsnorm kernel's roundings).
+  if (IN == (int)GemvIn::kRmsNorm) {
+    float ss[MT];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+      ss[m] = 0.f;
+      for (int k = tid * 8; k < K; k += kThreads * 8) {
+        const uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(p[q]);
+          ss[m] += f.x * f.x + f.y * f.y;
+        }
+      }
+    }
+    float rstd[MT];
+    __shared__ float red[MT][kWarps];
+    block_rstd<MT>(ss, red, rstd, K, a.eps);
+    for (int k = tid * 8; k < K; k += kThreads * 8) {
+      const uint4 w = *reinterpret_cast<const uint4*>(snw + k);
+      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
+        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
+          const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
+          o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
+        }
+        *reinterpret_cast<uint4*>(sx + (int64_t)m * K + k) = v;
+      }
+    }
+    __syncthreads();  // every warp reads the whole input
+  }
+}
+
 // A block owns `rb` weight rows; each row is cut into `sw` K-slices, one per warp (rb * sw = 8), so a
 // warp's whole slice is one round of kL loads per lane (registers) for every Qwen3 shape. The first round
 // of weights is requested before anything else; the input staging and RMSNorm run while it streams in,
@@ -133,54 +187,7 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     }
     __syncthreads();  // red[] is reused below and every warp reads the whole input
   }
-  bf16* snw = sx + MT * K;  // [K] norm weight
-  for (int k = tid * 8; k < K && !FX; k += kThreads * 8) {
-#pragma unroll
-    for (int m = 0; m < MT; ++m) cp_async16(sx + (int64_t)m * K + k, a.x + (int64_t)(m < a.M ? m : 0) * K + k, m < a.M);
-    if (IN == (int)GemvIn::kRmsNorm) cp_async16(snw + k, a.norm_w + k, true);
-  }
-  if constexpr (!FX) {
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-  }
-
-  // Prologue: RMSNorm in place, each thread on the elements it staged (the rmsnorm kernel's roundings).
-  if (IN == (int)GemvIn::kRmsNorm && !FX) {
-    float ss[MT];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) {
-      ss[m] = 0.f;
-      for (int k = tid * 8; k < K; k += kThreads * 8) {
-        const uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
-        const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(p[q]);
-          ss[m] += f.x * f.x + f.y * f.y;
-        }
-      }
-    }
-    float rstd[MT];
-    block_rstd<MT>(ss, red, rstd, K, a.eps);
-    for (int k = tid * 8; k < K; k += kThreads * 8) {
-      const uint4 w = *reinterpret_cast<const uint4*>(snw + k);
-      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&w);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) {
-        uint4 v = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + k);
-        __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
-          const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd[m], f.y * rstd[m]));
-          o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
-        }
-        *reinterpret_cast<uint4*>(sx + (int64_t)m * K + k) = v;
-      }
-    }
-    __syncthreads();  // red[] is reused below and every warp reads the whole input
-  }
+  if constexpr (!FX) stage_bf16<MT, IN>(a, sx);
 
   for (; tile < tiles; tile += gridDim.x) {
     float acc[MT];
@@ -270,6 +277,127 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
   }
 }
 
+// One m16n8k16 MMA (bf16 in, fp32 accumulate): d += A * B with A 16x16 (4 regs), B 16x8 (2 regs).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The same GEMV with its dot products on the tensor cores: the loads are the register kernel's (a lane's
+// 16 bytes of a row per chunk, 512 contiguous bytes per warp instruction), but a warp streams two rows at
+// once and one MMA takes four weights of each from every lane. Lane (g, t) puts its row-A pairs in MMA row
+// g and its row-B pairs in row g + 8, and its own input elements in B column g, so the MMA's diagonal
+// C[g][g] (C[g+8][g]) is the sum of lanes 4g..4g+3's products of row A (B): K is permuted alike in A and
+// B. One MMA per 16-byte load replaces ~17 CUDA-core instructions (the weight conversion and 8 FMAs), the
+// compute a warp does between its rounds of loads. The input is staged as bf16, rounded as in the
+// register kernel's bf16 staging.
+template <int MT, int IN, int OUT>
+__global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_tc_kernel(GemvArgs a, int sw, int tiles) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  bf16* sx = reinterpret_cast<bf16*>(smem_raw);  // [MT][K] effective input, then [K] norm weight
+  __shared__ float red[MT][2][kWarps];
+  const int K = a.K, tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int rp = kWarps / sw, j = warp / sw, slice = warp % sw;  // rp row pairs per tile
+  const int chunks = K / kChunk, c0 = slice * chunks / sw, c1 = (slice + 1) * chunks / sw;
+  constexpr int kC = kL / 2;  // chunks per round (two rows)
+  // Pair j of a tile: rows 2j and 2j + 1, or (SiLU·up) gate row i and its up row half + i.
+  const int half = a.N / 2;
+  auto row_of = [&](int tile, int r) {
+    if (OUT == (int)GemvOut::kSiluMul) return tile * rp + j + r * half;
+    return tile * 2 * rp + 2 * j + r;
+  };
+  auto row_ok = [&](int tile, int r) {
+    if (OUT == (int)GemvOut::kSiluMul) return tile * rp + j < half;
+    return tile * 2 * rp + 2 * j + r < a.N;
+  };
+
+  uint4 wv[kL];  // [chunk][row]
+  auto issue = [&](int tile, int cb) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const bf16* wrow = a.W + (int64_t)row_of(tile, r) * K + lane * 8;
+      const bool ok = row_ok(tile, r);
+#pragma unroll
+      for (int u = 0; u < kC; ++u)
+        wv[2 * u + r] = ok && cb + u < c1 ? __ldcs(reinterpret_cast<const uint4*>(wrow + (cb + u) * kChunk))
+                                          : make_uint4(0, 0, 0, 0);
+    }
+  };
+  int tile = blockIdx.x;
+  if (tile < tiles) issue(tile, c0);
+  pdl_wait();
+  pdl_trigger();
+  stage_bf16<MT, IN>(a, sx);
+
+  for (; tile < tiles; tile += gridDim.x) {
+    float acc[MT][4];
+#pragma unroll
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = acc[m][2] = acc[m][3] = 0.f;
+    for (int cb = c0; cb < c1; cb += kC) {
+      if (cb != c0) issue(tile, cb);
+#pragma unroll
+      for (int u = 0; u < kC; ++u) {
+        if (cb + u >= c1) break;
+        const uint4 wa = wv[2 * u], wb = wv[2 * u + 1];
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          const uint4 xv = *reinterpret_cast<const uint4*>(sx + (int64_t)m * K + (cb + u) * kChunk + lane * 8);
+          mma_bf16(acc[m], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+          mma_bf16(acc[m], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+        }
+      }
+    }
+    const bool more = tile + gridDim.x < tiles;
+    if (more) issue(tile + gridDim.x, c0);
+    // The diagonal: lane (g, g / 2) holds C[g][g] in d[g & 1] (row A) and C[g+8][g] in d[2 + (g & 1)].
+    const bool diag = t == (g >> 1);
+#pragma unroll
+    for (int m = 0; m < MT; ++m) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float v = diag ? ((g & 1) ? acc[m][2 * r + 1] : acc[m][2 * r]) : 0.f;  // constant indices: registers
+        for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+        if (lane == 0) red[m][r][warp] = v;
+      }
+    }
+    __syncthreads();
+    // One thread per (output, m): the slices are summed in order (deterministic).
+    const int nout = OUT == (int)GemvOut::kSiluMul ? rp : 2 * rp;
+    if (tid < nout * MT) {
+      const int o = tid / MT, m = tid % MT;
+      auto row_sum = [&](int jj, int r) {
+        float s = 0.f;
+        for (int s2 = 0; s2 < sw; ++s2) s += red[m][r][jj * sw + s2];
+        return s;
+      };
+      if (m < a.M) {
+        if (OUT == (int)GemvOut::kSiluMul) {
+          const int i = tile * rp + o;
+          if (i < half) {
+            const float gt = bf16r(row_sum(o, 0)), up = bf16r(row_sum(o, 1));
+            static_cast<bf16*>(a.y)[(int64_t)m * half + i] = __float2bfloat16(silu(gt) * up);
+          }
+        } else {
+          const int n = tile * 2 * rp + o;
+          if (n < a.N) {
+            const int64_t i = (int64_t)m * a.N + n;
+            const float v = row_sum(o >> 1, o & 1);
+            if (OUT == (int)GemvOut::kF32) {
+              static_cast<float*>(a.y)[i] = v;
+            } else {
+              bf16* y = static_cast<bf16*>(a.y);
+              y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? v + __bfloat162float(y[i]) : v);
+            }
+          }
+        }
+      }
+    }
+    if (more) __syncthreads();
+  }
+}
+
 template <int MT, int IN, int OUT, bool FX>
 void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s) {
   static int per_sm = 0;  // one attribute call and occupancy query per instantiation (capture safe afterwards)
@@ -286,6 +414,33 @@ void launch(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s)
   const int grid = std::max(1, std::min(tiles, num_sms * fit));  // resident blocks loop over the tiles
   OI_CUDA_CHECK(
       launch_kernel(true, gemv_kernel<MT, IN, OUT, FX>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
+}
+
+template <int MT, int IN, int OUT>
+void launch_tc(const GemvArgs& a, int sw, size_t smem, int num_sms, cudaStream_t s) {
+  static int per_sm = 0;
+  if (per_sm == 0) {
+    OI_CUDA_CHECK(cudaFuncSetAttribute(gemv_tc_kernel<MT, IN, OUT>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)kMaxSmem));
+    OI_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, gemv_tc_kernel<MT, IN, OUT>, kThreads, 0));
+    per_sm = std::max(per_sm, 1);
+  }
+  const int fit = std::max(1, std::min(per_sm, (int)((227 * 1024) / (smem + 2048))));
+  const int rp = kWarps / sw;
+  const int outs = OUT == (int)GemvOut::kSiluMul ? a.N / 2 : a.N, per_tile = OUT == (int)GemvOut::kSiluMul ? rp : 2 * rp;
+  const int tiles = (outs + per_tile - 1) / per_tile;
+  const int grid = std::max(1, std::min(tiles, num_sms * fit));
+  OI_CUDA_CHECK(launch_kernel(true, gemv_tc_kernel<MT, IN, OUT>, dim3(grid), dim3(kThreads), smem, s, nullptr, a, sw, tiles));
+}
+
+template <int MT>
+void dispatch_tc(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, int num_sms, cudaStream_t s) {
+  const int i = (int)in, o = (int)out;
+  if (i == 1 && o == 0) launch_tc<MT, 1, 0>(a, sw, smem, num_sms, s);
+  else if (i == 1 && o == 3) launch_tc<MT, 1, 3>(a, sw, smem, num_sms, s);
+  else if (i == 0 && o == 1) launch_tc<MT, 0, 1>(a, sw, smem, num_sms, s);
+  else if (i == 1 && o == 2) launch_tc<MT, 1, 2>(a, sw, smem, num_sms, s);
+  else if (i == 0 && o == 0) launch_tc<MT, 0, 0>(a, sw, smem, num_sms, s);
+  else OI_CHECK(false, "gemv: unsupported prologue/epilogue pair " << i << "/" << o);
 }
 
 template <int MT, bool FX>
@@ -306,6 +461,11 @@ int& gemv_fp32_input() {
   return on;
 }
 
+int& gemv_tensor_cores() {
+  static int on = 0;
+  return on;
+}
+
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
   if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
@@ -317,6 +477,13 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
   const bool fx = gemv_fp32_input() && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
   const size_t smem = fx ? smem_fx : smem_bf;
   if (smem > kMaxSmem) return false;
+  if (gemv_tensor_cores() && smem_bf <= kMaxSmem) {  // two rows per warp: half the chunks per round
+    int sw = 1;
+    while (sw < kWarps && (a.K / kChunk + sw - 1) / sw > kL / 2) sw *= 2;
+    if (a.M == 1) dispatch_tc<1>(a, in, out, sw, smem_bf, num_sms, s);
+    else dispatch_tc<2>(a, in, out, sw, smem_bf, num_sms, s);
+    return true;
+  }
   // Fewest warps per row whose slices fit one round of loads (gate/up pairs need two rows per block).
   const int chunks = a.K / kChunk, max_sw = out == GemvOut::kSiluMul ? kWarps / 2 : kWarps;
   int sw = 1;
