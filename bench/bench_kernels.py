@@ -15,7 +15,7 @@ BW = 4.21e12  # measured device-to-device copy rate of the lent H200 (BENCHMARKS
 SHAPES = {  # name: (N, K, prologue, epilogue); prologue 1 = RMSNorm; epilogue 1 = residual add, 2 = fp32, 3 = SiLU·up
     "4b.qkv": (6144, 2560, 1, 0), "4b.o": (2560, 4096, 0, 1), "4b.gate_up": (19456, 2560, 1, 3),
     "4b.down": (2560, 9728, 0, 1), "4b.lm_head": (151936, 2560, 1, 2), "8b.o": (4096, 4096, 0, 1),
-    "8b.down": (4096, 12288, 0, 1),
+    "8b.down": (4096, 12288, 0, 1), "8b.qkv": (6144, 4096, 1, 0), "8b.gate_up": (24576, 4096, 1, 3),
     "32b.gate_up": (51200, 5120, 1, 3), "32b.down": (5120, 25600, 0, 1),
 }
 CHAINS = {  # one decoder layer's projections (qkv, o, gate_up, down) and the layer count
@@ -51,7 +51,8 @@ def chain(a, _engine) -> list:
     for setting, pairs in knob_settings(a.knobs):
         apply_knobs(_engine.ops, pairs)
         for model in a.chain.split(","):
-            shapes, layers = CHAINS[model]
+            # a SHAPES name: that projection alone, 36 times in a row (one projection's share of a chain)
+            shapes, layers = CHAINS[model] if model in CHAINS else ([SHAPES[model]], 36)
             floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
             for M in (int(m) for m in a.rows.split(",")):
                 for pdl in (int(v) for v in a.pdl.split(",")):
@@ -70,7 +71,8 @@ def main() -> None:
     ap.add_argument("--rows", default=None, help="row counts (default 1,2,4,8; --chain: 1,2, the fused GEMV's)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--chain", default=None, help="models (4b,8b,32b): time the GEMV chain instead")
+    ap.add_argument("--chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
+                    "time the GEMV chain instead")
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
