@@ -409,7 +409,7 @@ def test_fused_gemv(model, M, mode):
     """Both stagings of the input: fp32 (the default where it fits; 32B's down projection stays bf16) and bf16;
     and the tensor-core kernel (bf16 input, two rows per warp: the odd shapes end on half a pair)."""
     ops().gemv_fp32_input(int(mode == "fp32_input"))
-    ops().gemv_tensor_cores(3 if mode == "tensor_cores" else 0)
+    ops().gemv_tensor_cores(2 if mode == "tensor_cores" else 0)
     try:
         _fused_gemv_case(model, M)
     finally:
@@ -425,7 +425,7 @@ def test_fused_gemv_tensor_cores_rows_agree():
     w = _weights(N, K)
     x = rand_bf16(rng, (2, K), 2.0)
     try:
-        ops().gemv_tensor_cores(3)
+        ops().gemv_tensor_cores(2)
         two = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6))
         one = f32(ops().gemv(x[:1], None, w, 1, N, K, 0, 0, None, 1e-6))
         ops().gemv_tensor_cores(0)

@@ -279,9 +279,10 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("attention_fuse_rope", [](int on) { attention_fuse_rope() = on != 0; },
           "A/B: decode buckets do q/k norm + RoPE + K/V write inside attention (1, default) or in their own "
           "kernel (0); read when a bucket is launched or captured");
-  ops.def("gemv_tensor_cores", [](int bits) { gemv_tensor_cores() = bits & 3; },
-          "A/B: the GEMV's dot products on the tensor cores for one row (bit 0) and two rows (bit 1); CUDA cores "
-          "otherwise (default 0)");
+  ops.def("gemv_tensor_cores", [](int mode) {
+    OI_CHECK(mode >= 0 && mode <= 2, "gemv_tensor_cores: " << mode << " (0 never, 1 where faster, 2 always)");
+    gemv_tensor_cores() = mode;
+  }, "the GEMV's dot products on the tensor cores: 0 never, 1 where they measured faster, 2 always (tests)");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

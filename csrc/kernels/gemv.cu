@@ -477,7 +477,11 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
   const bool fx = gemv_fp32_input() && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
   const size_t smem = fx ? smem_fx : smem_bf;
   if (smem > kMaxSmem) return false;
-  if ((gemv_tensor_cores() >> (a.M - 1) & 1) && smem_bf <= kMaxSmem) {  // two rows per warp: half the chunks per round
+  // Tensor cores where they measured faster (per-projection chains, docs/benchmarks.md): two rows except
+  // lm_head's fp32 output, and one row from K = 8192 (the down projections); CUDA cores elsewhere.
+  const int tc = gemv_tensor_cores();
+  if (smem_bf <= kMaxSmem && (tc == 2 || (tc == 1 && (a.M == 2 ? out != GemvOut::kF32 : a.K >= 8192)))) {
+    // two rows per warp: half the chunks per round
     int sw = 1;
     while (sw < kWarps && (a.K / kChunk + sw - 1) / sw > kL / 2) sw *= 2;
     if (a.M == 1) dispatch_tc<1>(a, in, out, sw, smem_bf, num_sms, s);
