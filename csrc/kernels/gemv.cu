@@ -462,7 +462,7 @@ int& gemv_fp32_input() {
 }
 
 int& gemv_tensor_cores() {
-  static int on = 0;
+  static int on = 1;
   return on;
 }
 

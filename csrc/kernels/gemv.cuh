@@ -32,8 +32,8 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
 // before an engine captures its graphs.
 int& gemv_fp32_input();
 
-// The GEMV's dot products on the tensor cores (gemv_tc_kernel): 0 never, 1 where they measured faster
-// (gemv.cu), 2 always (tests).
+// The GEMV's dot products on the tensor cores (gemv_tc_kernel): 0 never, 1 (default) where they measured
+// faster (gemv.cu), 2 always (tests); set before an engine captures its graphs.
 int& gemv_tensor_cores();
 
 }  // namespace oi
