@@ -573,8 +573,9 @@ def test_client_gone_while_sending_its_body_is_not_an_error(server):
 
 
 def test_health_answers_while_a_prompt_is_tokenized(server):
-    """Tokenizing (and rendering) runs off the event loop: a body that takes seconds to tokenize does
-    not stall every other request (a fuzzing pass saw /health wait 11 s)."""
+    """Tokenizing (and rendering) a large body runs off the event loop: a body that takes seconds to
+    tokenize does not stall every other request (a fuzzing pass saw /health wait 11 s). Small bodies
+    are tokenized inline (app._INLINE_BYTES)."""
     tok = server.state.tokenizer
     started = threading.Event()
 
@@ -585,7 +586,9 @@ def test_health_answers_while_a_prompt_is_tokenized(server):
 
     tok.encode = slow_encode
     try:
-        slow = threading.Thread(target=post, args=(server, "/tokenize", {"prompt": "slow"}))
+        from openinfer.server import app
+        big = "slow " * (app._INLINE_BYTES // 5 + 1)
+        slow = threading.Thread(target=post, args=(server, "/tokenize", {"prompt": big}))
         slow.start()
         assert started.wait(10)
         t0 = time.monotonic()
