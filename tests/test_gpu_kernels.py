@@ -411,6 +411,9 @@ def test_fused_gemv(model, M, mode):
     ops().gemv_fp32_input(int(mode == "fp32_input"))
     ops().gemv_tensor_cores(2 if mode == "tensor_cores" else 0)
     try:
+        for N, K, pro, epi in GEMV_CASES[model]:
+            fits = (M + (pro == 1)) * K * 2 <= 200 * 1024  # the bf16 staging
+            assert ops().gemv_takes_tensor_cores(M, K, pro, epi) == (mode == "tensor_cores" and fits)
         _fused_gemv_case(model, M)
     finally:
         ops().gemv_fp32_input(1)
@@ -436,6 +439,25 @@ def test_fused_gemv_tensor_cores_rows_agree():
         ops().gemv_fp32_input(1)
     np.testing.assert_array_equal(one[0], two[0])
     assert rel_err(two, cuda_cores) < TOL["bf16_out"]
+    # the kernels sum in different orders, so some of the 5120 outputs round apart: the tensor cores ran
+    assert not np.array_equal(two, cuda_cores)
+
+
+def test_fused_gemv_kernel_choice():
+    """Mode 1 (the default) takes the tensor cores where they measured faster: two rows but lm_head's
+    fp32 output, one row from K = 8192; mode 0 never, mode 2 always (within the GEMV's 1-2 rows)."""
+    rule = {  # (M, K, prologue, epilogue): mode 1's choice
+        (1, 2560, 1, 0): False, (1, 4096, 0, 1): False, (1, 2560, 1, 3): False, (1, 9728, 0, 1): True,
+        (1, 2560, 1, 2): False, (1, 25600, 0, 1): True, (2, 2560, 1, 0): True, (2, 4096, 1, 3): True,
+        (2, 12288, 0, 1): True, (2, 2560, 1, 2): False, (3, 2560, 1, 0): False}
+    try:
+        for mode in (0, 1, 2):
+            ops().gemv_tensor_cores(mode)
+            for (M, K, pro, epi), want in rule.items():
+                got = ops().gemv_takes_tensor_cores(M, K, pro, epi)
+                assert got == (M <= 2 and (mode == 2 or (mode == 1 and want))), (mode, M, K, pro, epi)
+    finally:
+        ops().gemv_tensor_cores(1)
 
 
 def _fused_gemv_case(model, M):

@@ -283,6 +283,9 @@ PYBIND11_MODULE(_engine, m) {
     OI_CHECK(mode >= 0 && mode <= 2, "gemv_tensor_cores: " << mode << " (0 never, 1 where faster, 2 always)");
     gemv_tensor_cores() = mode;
   }, "the GEMV's dot products on the tensor cores: 0 never, 1 (default) where they measured faster, 2 always (tests)");
+  ops.def("gemv_takes_tensor_cores", [](int M, int K, int in_mode, int out_mode) {
+    return gemv_takes_tensor_cores(M, K, (GemvIn)in_mode, (GemvOut)out_mode);
+  }, "whether the fused GEMV takes the tensor-core kernel for M rows, K and the prologue/epilogue (host only)");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

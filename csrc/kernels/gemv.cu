@@ -466,6 +466,15 @@ int& gemv_tensor_cores() {
   return on;
 }
 
+bool gemv_takes_tensor_cores(int M, int K, GemvIn in, GemvOut out) {
+  if (M < 1 || M > kGemvMaxRows || K % kChunk != 0) return false;
+  if ((size_t)(M + (in == GemvIn::kRmsNorm ? 1 : 0)) * K * sizeof(bf16) > kMaxSmem) return false;  // bf16 staging
+  // Where they measured faster (per-projection chains, docs/benchmarks.md): two rows except lm_head's
+  // fp32 output, and one row from K = 8192 (the down projections); CUDA cores elsewhere.
+  const int tc = gemv_tensor_cores();
+  return tc == 2 || (tc == 1 && (M == 2 ? out != GemvOut::kF32 : K >= 8192));
+}
+
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
   if (a.M < 1 || a.M > kGemvMaxRows || a.K % kChunk != 0) return false;
   if (out == GemvOut::kSiluMul && a.N % 2 != 0) return false;
@@ -477,11 +486,7 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
   const bool fx = gemv_fp32_input() && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
   const size_t smem = fx ? smem_fx : smem_bf;
   if (smem > kMaxSmem) return false;
-  // Tensor cores where they measured faster (per-projection chains, docs/benchmarks.md): two rows except
-  // lm_head's fp32 output, and one row from K = 8192 (the down projections); CUDA cores elsewhere.
-  const int tc = gemv_tensor_cores();
-  if (smem_bf <= kMaxSmem && (tc == 2 || (tc == 1 && (a.M == 2 ? out != GemvOut::kF32 : a.K >= 8192)))) {
-    // two rows per warp: half the chunks per round
+  if (gemv_takes_tensor_cores(a.M, a.K, in, out)) {  // two rows per warp: half the chunks per round
     int sw = 1;
     while (sw < kWarps && (a.K / kChunk + sw - 1) / sw > kL / 2) sw *= 2;
     if (a.M == 1) dispatch_tc<1>(a, in, out, sw, smem_bf, num_sms, s);

@@ -36,4 +36,7 @@ int& gemv_fp32_input();
 // faster (gemv.cu), 2 always (tests); set before an engine captures its graphs.
 int& gemv_tensor_cores();
 
+// Whether gemv() takes the tensor-core kernel for this shape under the current mode (host only).
+bool gemv_takes_tensor_cores(int M, int K, GemvIn in, GemvOut out);
+
 }  // namespace oi

@@ -409,8 +409,9 @@ async def completions(st: ServerState, request: Request) -> Response:
     t0 = now()
     req = parse_completion(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
-    prompts = [_check_ids(st, p, "prompt") if isinstance(p, list) else await _off_loop(len(p), st.tokenizer.encode, p)
-               for p in req.prompts]
+    # one decision for the whole body: many small prompts add up to a large one
+    prompts = await _off_loop(request.state.body_bytes, lambda: [
+        _check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p) for p in req.prompts])
     for ids in prompts:
         _check_length(st, len(ids), req.gen.max_tokens, "prompt")
     params = _sampling_params(req.gen)
