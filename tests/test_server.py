@@ -469,7 +469,8 @@ BAD = [  # (path, body or raw bytes, status, param)
     (C, dict(OK_C, top_p=1.5), 400, "top_p"),
     (C, dict(OK_C, top_k=-7), 400, "top_k"),
     (C, dict(OK_C, seed="x"), 400, "seed"),
-    (C, dict(OK_C, n=2), 400, "n"),
+    (C, dict(OK_C, n=65), 400, "n"),
+    (C, dict(OK_C, prompt=["a"] * 33, n=2), 400, "n"),
     (C, dict(OK_C, stop=5), 400, "stop"),
     (C, dict(OK_C, stop=["a", 1]), 400, "stop"),
     (C, dict(OK_C, logprobs=21), 400, "logprobs"),
@@ -506,7 +507,7 @@ BAD = [  # (path, body or raw bytes, status, param)
     (CH, dict(OK_CH, max_completion_tokens=0), 400, "max_completion_tokens"),
     (CH, dict(OK_CH, response_format={"type": "json_object"}), 400, "response_format"),
     (CH, dict(OK_CH, chat_template_kwargs={"enable_thinking": "no"}), 400, "chat_template_kwargs"),
-    (CH, dict(OK_CH, n=3), 400, "n"),
+    (CH, dict(OK_CH, n=0), 400, "n"),
     # tool-call arguments the server decodes itself: too deep, an integer past Python's digit limit, an
     # escaped lone surrogate (found by a fuzzing pass: each was a 500)
     (CH, dict(OK_CH, messages=USER + [_assistant_call("[" * 5000 + "]" * 5000)]), 400, "messages[1].tool_calls[0]"),
@@ -629,6 +630,49 @@ def test_small_bodies_tokenize_inline_large_ones_in_a_worker_thread(server):
     worker = "AnyIO worker thread"
     assert len(small) == 1 and worker not in small, small
     assert many == {worker} and large == {worker}, (many, large)
+
+
+def test_completions_n_choices(server, client):
+    """n samples per prompt: choice i * n + j is prompt i's j-th; with a seed, choice j = 0 is the n = 1
+    answer and the others sample with their own seeds (they differ, and repeat on a second request);
+    the stream carries the same texts; prompt tokens are counted once per prompt."""
+    kw = dict(model=NAME, max_tokens=8, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
+    prompts = ["Once upon a time", "The weather today"]
+    r = client.completions.create(prompt=prompts, n=3, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    texts = [c.text for c in r.choices]
+    ones = [client.completions.create(prompt=p, **kw) for p in prompts]
+    assert texts[0] == ones[0].choices[0].text and texts[3] == ones[1].choices[0].text
+    assert len(set(texts[:3])) == 3 and len(set(texts[3:])) == 3, texts
+    assert [c.text for c in client.completions.create(prompt=prompts, n=3, **kw).choices] == texts
+    assert r.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in ones)
+    assert r.usage.completion_tokens == 6 * 8
+    got, finished = {}, []
+    for ch in client.completions.create(prompt=prompts, n=3, stream=True, **kw):
+        for c in ch.choices:
+            got[c.index] = got.get(c.index, "") + c.text
+            if c.finish_reason:
+                finished.append(c.index)
+    assert [got[i] for i in range(6)] == texts and sorted(finished) == list(range(6))
+
+
+def test_chat_n_choices(server, client):
+    """Chat with n = 2: two choices, sampled apart, the same streamed and not."""
+    kw = dict(model=NAME, messages=USER, max_tokens=8, temperature=1.0, seed=7, n=2,
+              extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(**kw)
+    assert [c.index for c in r.choices] == [0, 1]
+    texts = [c.message.content for c in r.choices]
+    assert texts[0] != texts[1] and all(c.finish_reason == "length" for c in r.choices)
+    assert r.usage.completion_tokens == 16
+    got, finish = {}, {}
+    for ch in client.chat.completions.create(stream=True, **kw):
+        for c in ch.choices:
+            got[c.index] = got.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                assert c.index not in finish
+                finish[c.index] = c.finish_reason
+    assert [got[0], got[1]] == texts and finish == {0: "length", 1: "length"}
 
 
 def test_completion_text_offsets_stream_equal_non_stream(server, client):

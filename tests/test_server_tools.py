@@ -287,6 +287,36 @@ def test_parallel_tool_calls_false_keeps_the_first_call(srv, client, stream):
     assert content == "Checking both." and args == [{"city": "Paris"}] and finish == "tool_calls"
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_n_choices_parse_and_stop_each_on_their_own(srv, client, stream):
+    """n = 2 with parallel_tool_calls=false: each choice has its own parser, ends with its own first
+    call and is stopped there on its own; the request ends once both are out."""
+    kw = dict(messages=[{"role": "user", "content": "weather in two cities"}], tools=TOOLS,
+              parallel_tool_calls=False)
+    if stream:
+        per: dict = {}
+        finish: dict = {}
+        for ch in client.chat.completions.create(model=NAME, stream=True, n=2, **kw):
+            for c in ch.choices:
+                p = per.setdefault(c.index, {"content": "", "args": {}})
+                p["content"] += c.delta.content or ""
+                for tc in c.delta.tool_calls or []:
+                    p["args"][tc.index] = p["args"].get(tc.index, "") + (tc.function.arguments or "")
+                if c.finish_reason:
+                    assert c.index not in finish
+                    finish[c.index] = c.finish_reason
+        got = [(per[i]["content"], [json.loads(a) for a in per[i]["args"].values()], finish[i]) for i in (0, 1)]
+    else:
+        r = client.chat.completions.create(model=NAME, n=2, **kw)
+        assert [c.index for c in r.choices] == [0, 1]
+        got = [(c.message.content, [json.loads(t.function.arguments) for t in c.message.tool_calls],
+                c.finish_reason) for c in r.choices]
+        one = client.chat.completions.create(model=NAME, **kw)
+        assert r.usage.completion_tokens == 2 * one.usage.completion_tokens
+        assert r.usage.prompt_tokens == one.usage.prompt_tokens
+    assert got == [("Checking both.", [{"city": "Paris"}], "tool_calls")] * 2
+
+
 def test_tool_choice_none_leaves_text_alone(srv, client):
     r = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "two cities"}],
                                        tools=TOOLS, tool_choice="none")

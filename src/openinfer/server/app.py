@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from pathlib import Path
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 import anyio
@@ -116,6 +116,15 @@ def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param:
                   f"requested {want} tokens ({n_prompt} in the prompt, {max_tokens or 1} for the "
                   "completion). Please reduce the prompt or max_tokens.", param,
                   "context_length_exceeded")
+
+
+def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The n choices' parameters: with a seed, choice j > 0 samples with its own seed derived from it
+    (the same seed would repeat choice 0); without one the engine draws each request's own."""
+    if params.seed is None:
+        return [params] * n
+    return [params] + [replace(params, seed=(params.seed + j * 0x9E3779B97F4A7C15) % 2**64)
+                       for j in range(1, n)]
 
 
 def _sampling_params(gen: GenParams) -> SamplingParams:
@@ -414,9 +423,11 @@ async def completions(st: ServerState, request: Request) -> Response:
         _check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p) for p in req.prompts])
     for ids in prompts:
         _check_length(st, len(ids), req.gen.max_tokens, "prompt")
-    params = _sampling_params(req.gen)
-    group = await _submit(st, prompts, params, "prompt")
-    n_prompt = sum(len(p) for p in prompts)
+    n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
+    # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
+    per = _choices(_sampling_params(req.gen), req.gen.n)
+    prompts = [p for p in prompts for _ in range(req.gen.n)]
+    group = await _submit(st, prompts, per * (len(prompts) // req.gen.n), "prompt")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in prompts]
     want_lp = req.gen.logprobs is not None
@@ -491,6 +502,54 @@ def _delta_json(d, tool_index: int) -> tuple[dict, int]:
     return out, tool_index
 
 
+class _ChatChoice:
+    """One choice of a chat completion: its output parser and what it produced."""
+
+    def __init__(self, how: dict, parallel_tool_calls: bool):
+        self.parser = ChatOutputParser(reasoning=how["reasoning"], tools=how["tools"],
+                                       started_in_think=how["started_in_think"],
+                                       max_tool_calls=None if parallel_tool_calls else 1)
+        if how["prefill"]:
+            self.parser.feed(how["prefill"])  # held inside the open tag: yields nothing
+        # A forced call that does not complete comes back as content, led by that prefill, which the
+        # model never wrote: it is cut from the first content (nothing else can come before it). Once
+        # the parser gives a call or content, the prefill has been accounted for.
+        self.cut = how["prefill"]
+        self.tool_index = 0  # tool calls streamed so far
+        self.got: list[ChatDelta] = []  # non-streamed: the parser's output per update
+        self.rows: list = []  # non-streamed: logprob rows
+        self.finish: str | None = None
+
+    def _own(self, d: ChatDelta) -> ChatDelta:
+        if self.cut and (d.content or d.tool_calls):
+            d.content, self.cut = d.content.removeprefix(self.cut), ""
+        return d
+
+    def feed(self, text: str) -> ChatDelta:
+        return self._own(self.parser.feed(text))
+
+    def end(self) -> ChatDelta:
+        return self._own(self.parser.finish())
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if self.parser.num_tool_calls and reason == "stop" else reason
+
+    def message(self, index: int, tok, want_lp: bool) -> dict:
+        """The non-streamed choice."""
+        d = ChatDelta()
+        for g in self.got + [self.end()]:
+            d = d.join(g)
+        message: dict = {"role": "assistant",
+                         "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
+                         else None}
+        if d.reasoning:
+            message["reasoning_content"] = d.reasoning
+        if d.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+        return {"index": index, "message": message, "finish_reason": self.finish_reason(self.finish),
+                "logprobs": {"content": _chat_logprobs(tok, self.rows)} if want_lp else None}
+
+
 async def chat_completions(st: ServerState, request: Request) -> Response:
     t0 = now()
     req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
@@ -498,101 +557,74 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     prompt, how = await _off_loop(request.state.body_bytes, _render_chat, st, req)
     ids = await _off_loop(len(prompt), st.tokenizer.encode, prompt)
     _check_length(st, len(ids), req.gen.max_tokens, "messages")
-    params = _sampling_params(req.gen)
-    group = await _submit(st, [ids], params, "messages")
-    parser = ChatOutputParser(reasoning=how["reasoning"], tools=how["tools"],
-                              started_in_think=how["started_in_think"],
-                              max_tool_calls=None if req.parallel_tool_calls else 1)
-    if how["prefill"]:
-        parser.feed(how["prefill"])  # held inside the open tag: yields nothing
-    # A forced call that does not complete comes back as content, led by that prefill, which the model
-    # never wrote: it is cut from the first content (nothing else can come before it). Once the parser
-    # gives a call or content, the prefill has been accounted for.
-    cut = how["prefill"]
-
-    def own(d):
-        nonlocal cut
-        if cut and (d.content or d.tool_calls):
-            d.content, cut = d.content.removeprefix(cut), ""
-        return d
+    n = req.gen.n
+    group = await _submit(st, [ids] * n, _choices(_sampling_params(req.gen), n), "messages")
+    choices = [_ChatChoice(how, req.parallel_tool_calls) for _ in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-    timer = RequestTimer(st.metrics, t0)
+    timers = [RequestTimer(st.metrics, t0) for _ in range(n)]
     want_lp = req.gen.logprobs is not None
 
-    def finish_reason(reason):
-        return "tool_calls" if parser.num_tool_calls and reason == "stop" else reason
-
     if req.gen.stream:
-        def chunk(delta, fr=None, lp=None, usage=None, choices=True):
+        def chunk(i, delta, fr=None, lp=None, usage=None, choices=True):
             c = {"id": rid, "object": "chat.completion.chunk", "created": created,
                  "model": st.model_name,
-                 "choices": [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": fr}]
+                 "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}]
                  if choices else []}
             if req.gen.include_usage:
                 c["usage"] = usage
             return c
 
         async def events():
-            n_gen, tool_index = 0, 0
+            n_gen = 0
             try:
-                yield _sse(chunk({"role": "assistant", "content": ""}))
-                async for _, u in group.updates():
-                    timer.tokens_arrived(len(u.new_token_ids), now())
+                for i in range(n):
+                    yield _sse(chunk(i, {"role": "assistant", "content": ""}))
+                async for i, u in group.updates():
+                    c = choices[i]
+                    timers[i].tokens_arrived(len(u.new_token_ids), now())
                     n_gen += len(u.new_token_ids)
-                    d = own(parser.feed(u.new_text))
-                    delta, tool_index = _delta_json(d, tool_index)
-                    done = u.finished or parser.capped  # capped: the one call allowed is out
+                    delta, c.tool_index = _delta_json(c.feed(u.new_text), c.tool_index)
+                    done = u.finished or c.parser.capped  # capped: the one call allowed is out
                     if done:
-                        f = own(parser.finish())
-                        tail, tool_index = _delta_json(f, tool_index)
+                        tail, c.tool_index = _delta_json(c.end(), c.tool_index)
                         for k, v in tail.items():
                             delta[k] = delta[k] + v if k in delta else v
                     rows = _logprob_rows(u) if want_lp else []
                     lp = {"content": _chat_logprobs(st.tokenizer, rows)} if rows else None
                     if delta or lp:
-                        yield _sse(chunk(delta, lp=lp))
+                        yield _sse(chunk(i, delta, lp=lp))
                     if done:
-                        timer.finish()
-                        yield _sse(chunk({}, fr=finish_reason(u.finish_reason if u.finished else "stop")))
-                        group.close()  # capped: what the model would still write is not wanted
-                        break
+                        timers[i].finish()
+                        yield _sse(chunk(i, {}, fr=c.finish_reason(u.finish_reason if u.finished else "stop")))
+                        group.abort(i)  # capped: what the model would still write is not wanted
                 if req.gen.include_usage:
-                    yield _sse(chunk(None, usage=_usage(len(ids), n_gen), choices=False))
+                    yield _sse(chunk(0, None, usage=_usage(len(ids), n_gen), choices=False))
             except Exception as e:
                 yield _stream_error(e)
             yield "data: [DONE]\n\n"
         return SSEResponse(events(), group.close)
 
-    got, n_gen, rows, fin = [], 0, [], [None]
+    n_gen = 0
 
-    def on_update(_, u) -> bool:
+    def on_update(i, u) -> bool:
         nonlocal n_gen
-        timer.tokens_arrived(len(u.new_token_ids), now())
-        got.append(own(parser.feed(u.new_text)))
+        c = choices[i]
+        timers[i].tokens_arrived(len(u.new_token_ids), now())
+        c.got.append(c.feed(u.new_text))
         n_gen += len(u.new_token_ids)
         if want_lp:
-            rows.extend(_logprob_rows(u))
-        if u.finished or parser.capped:  # capped: the one call allowed is out, the rest is aborted
-            fin[0] = u.finish_reason if u.finished else "stop"
-            timer.finish()
-        return parser.capped
+            c.rows.extend(_logprob_rows(u))
+        if u.finished or c.parser.capped:  # capped: the one call allowed is out, the rest is aborted
+            c.finish = u.finish_reason if u.finished else "stop"
+            timers[i].finish()
+            group.abort(i)
+        return False
 
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
-    d = ChatDelta()
-    for g in got + [own(parser.finish())]:
-        d = d.join(g)
-    message: dict = {"role": "assistant",
-                     "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
-                     else None}
-    if d.reasoning:
-        message["reasoning_content"] = d.reasoning
-    if d.tool_calls:
-        message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
-    choice = {"index": 0, "message": message, "finish_reason": finish_reason(fin[0]),
-              "logprobs": {"content": _chat_logprobs(st.tokenizer, rows)} if want_lp else None}
     return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                         "model": st.model_name, "choices": [choice],
+                         "model": st.model_name,
+                         "choices": [c.message(i, st.tokenizer, want_lp) for i, c in enumerate(choices)],
                          "usage": _usage(len(ids), n_gen)})
 
 

@@ -46,6 +46,8 @@ class RequestGroup:
         self.request_ids: list[str] = []
         self._prefix = prefix
         self._open = 0  # sub-requests not finished yet
+        self._dropped: set[int] = set()  # sub-requests aborted by abort(): their updates are skipped
+        self._finished: set[int] = set()
 
     def _post(self, item) -> None:  # called from the engine thread
         try:
@@ -56,10 +58,12 @@ class RequestGroup:
     async def add(self, prompts: list[list[int]], params: Any) -> None:
         """Submits one request per prompt (index = position), all before waiting, so the engine loop
         admits them in one pass (one at a time took an engine step each: a 64-prompt request under
-        load queued for 64 steps). Raises the first admission error in prompt order (RequestRejected,
-        QueueFull); close() then aborts whatever was admitted."""
+        load queued for 64 steps). `params`: one SamplingParams for all, or a list, one per prompt.
+        Raises the first admission error in prompt order (RequestRejected, QueueFull); close() then
+        aborts whatever was admitted."""
+        per = params if isinstance(params, list) else [params] * len(prompts)
         futs = []
-        for index, prompt_token_ids in enumerate(prompts):
+        for index, (prompt_token_ids, params) in enumerate(zip(prompts, per)):
             rid = f"{self._prefix}-{index}"
             fut = self._loop.create_future()
             # mark every outcome read: only the first error is raised, and asyncio logs a traceback for
@@ -84,9 +88,20 @@ class RequestGroup:
             if isinstance(item, BaseException):
                 self._open = 0
                 raise item
+            if idx in self._dropped:
+                continue
             if item.finished:
                 self._open -= 1
+                self._finished.add(idx)
             yield idx, item
+
+    def abort(self, index: int) -> None:
+        """Aborts one sub-request (its choice is complete early); updates() no longer waits for it."""
+        if index in self._dropped or index in self._finished or index >= len(self.request_ids):
+            return
+        self._dropped.add(index)
+        self._open -= 1
+        self._engine._submit(("abort", self.request_ids[index]))
 
     def close(self) -> None:
         """Aborts whatever has not finished (client gone, error, cancellation). Idempotent."""

@@ -14,6 +14,7 @@ from typing import Any
 from ..sampling_params import MAX_STOP_TOKEN_IDS
 
 MAX_TOP_LOGPROBS = 20
+MAX_CHOICES = 64  # engine requests per HTTP request: prompts x n
 
 
 class APIError(Exception):
@@ -97,6 +98,7 @@ class GenParams:
     skip_special_tokens: bool
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt
 
 
 def _same(v, d) -> bool:
@@ -116,9 +118,7 @@ def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
     defaults = defaults or {}
     _check_unsupported(body, _UNSUPPORTED_COMMON)
     _check_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)
-    n = _opt(body, "n", _is_int, "an integer", 1)
-    if n != 1:
-        raise bad("only n=1 is supported", "n", "unsupported_parameter")
+    n = _opt(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
     pos_int = lambda v: _is_int(v) and v >= 1  # noqa: E731
     max_tokens = _opt(body, "max_tokens", pos_int, "a positive integer")
     if chat:  # the newer name wins when both are given, as in OpenAI's API
@@ -168,7 +168,7 @@ def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
     else:
         logprobs = _opt(body, "logprobs", in_range, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
     return GenParams(max_tokens, temperature, top_p, top_k if top_k > 0 else 0, seed, stop,
-                     stop_token_ids, ignore_eos, logprobs, skip_special, stream, include_usage)
+                     stop_token_ids, ignore_eos, logprobs, skip_special, stream, include_usage, n)
 
 
 @dataclass
@@ -217,10 +217,12 @@ def parse_completion(body: Any, defaults: dict | None = None) -> CompletionReque
                   "token-id lists", "prompt")
     if any(isinstance(x, str) and not x for x in prompts):
         raise bad("'prompt' must not be empty", "prompt")
-    if len(prompts) > 64:
-        raise bad("at most 64 prompts per request", "prompt")
+    if len(prompts) > MAX_CHOICES:
+        raise bad(f"at most {MAX_CHOICES} prompts per request", "prompt")
     gen = _gen_params(body, chat=False, default_max_tokens=16,  # OpenAI's completions default
                       defaults=defaults)
+    if len(prompts) * gen.n > MAX_CHOICES:
+        raise bad(f"{len(prompts)} prompts x n={gen.n} is over {MAX_CHOICES} choices per request", "n")
     return CompletionRequest(model_field(body), prompts, gen)
 
 
