@@ -654,6 +654,8 @@ def test_completions_n_choices(server, client):
             if c.finish_reason:
                 finished.append(c.index)
     assert [got[i] for i in range(6)] == texts and sorted(finished) == list(range(6))
+    greedy = [c.text for c in client.completions.create(prompt=prompts, n=3, **{**kw, "temperature": 0}).choices]
+    assert len(set(greedy[:3])) == 1 and len(set(greedy[3:])) == 1 and greedy[0] != greedy[3], greedy
 
 
 def test_chat_n_choices(server, client):

@@ -7,6 +7,7 @@ between the HTTP client and that output (template, parsers, SSE, the engine thre
 """
 
 import json
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -27,11 +28,14 @@ def call(name, args):
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
-def script(prompt: str) -> str:
-    """The 'model': what it says depends only on the last turn of the rendered prompt."""
+def script(prompt: str, choice: int = 0) -> str:
+    """The 'model': what it says depends only on the last turn of the rendered prompt (and, for
+    "uneven", on the choice: n > 1)."""
     if prompt == "fraktur":  # a completion whose middle character is two byte-level tokens
         return "a\U0001D518b"
     last = prompt.rsplit("<|im_start|>", 2)[-2]
+    if "uneven" in last:  # choice 0 calls early and would go on long after; choice 1 only talks
+        return call("get_weather", {"city": "Paris"}) + " x" * 300 if choice == 0 else "Sunny" + " y" * 150
     if "<tool_response>" in last:
         temp = json.loads(last.split("<tool_response>\n")[1].split("\n</tool_response>")[0])["temp"]
         return f"<think>\nThe tool says {temp}.\n</think>\n\nIt is {temp} °C in Paris."
@@ -66,11 +70,17 @@ class ScriptedEngine:
         self.reqs: dict[str, list] = {}
         self.want_lp: dict[str, bool] = {}
         self.broken = False
+        self.steps = 0
+        self.pace = 0.0  # seconds per step while an "uneven" request runs (a real engine takes time)
+        self.aborted_at: dict[str, int] = {}  # request id -> step count when aborted unfinished
+        self.finished_at: dict[str, int] = {}
 
     def add_request(self, rid, ids, params):
         prompt = self.tokenizer.decode(ids, skip_special_tokens=False)
         self.prompts.append(prompt)
-        out = script(prompt)
+        out = script(prompt, int(rid.rsplit("-", 1)[1]))  # the server's ids end with the choice index
+        if "uneven" in prompt:  # paced, so that the server sees choice 0's call long before choice 1 ends
+            self.pace = 0.003
         if self.chars:
             pieces = [([0], ch) for ch in out]
         else:
@@ -82,7 +92,12 @@ class ScriptedEngine:
         self.want_lp[rid] = params.logprobs is not None
 
     def abort_request(self, rid):
-        return self.reqs.pop(rid, None) is not None
+        if self.reqs.pop(rid, None) is None:
+            return False
+        self.aborted_at[rid] = self.steps
+        if not self.reqs:
+            self.pace = 0.0
+        return True
 
     def has_unfinished(self):
         if self.broken:
@@ -93,16 +108,22 @@ class ScriptedEngine:
         if before_launch is not None:  # where a real engine launches the device step
             before_launch()
         ups = []
+        self.steps += 1
+        if self.pace:
+            time.sleep(self.pace)
         for rid, pieces in list(self.reqs.items()):
             ids, text = pieces.pop(0)
             done = not pieces
             if done:
                 del self.reqs[rid]
+                self.finished_at[rid] = self.steps
             lp = [SimpleNamespace(token_id=t, logprob=-0.5, top=[(t, -0.5)]) for t in ids] \
                 if self.want_lp.get(rid) else None
             ups.append(SimpleNamespace(request_id=rid, new_token_ids=ids, new_text=text,
                                        finished=done, finish_reason="stop" if done else None,
                                        logprobs=lp))
+        if not self.reqs:
+            self.pace = 0.0
         return ups
 
     def stats(self):
@@ -315,6 +336,38 @@ def test_n_choices_parse_and_stop_each_on_their_own(srv, client, stream):
         assert r.usage.completion_tokens == 2 * one.usage.completion_tokens
         assert r.usage.prompt_tokens == one.usage.prompt_tokens
     assert got == [("Checking both.", [{"city": "Paris"}], "tool_calls")] * 2
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+def test_n_choices_stop_apart(srv, client, stream):
+    """n = 2 with parallel_tool_calls=false where choice 0 calls early and choice 1 talks on: choice 0
+    is cut at its call and its engine request aborted at once (before choice 1 finishes), while
+    choice 1 runs to its end; usage counts what each generated."""
+    kw = dict(messages=[{"role": "user", "content": "uneven"}], tools=TOOLS, parallel_tool_calls=False)
+    eng = srv.engine
+    before = set(eng.aborted_at) | set(eng.finished_at)
+    if stream:
+        text, calls, finish, usage = {0: "", 1: ""}, {0: 0, 1: 0}, {}, None
+        for ch in client.chat.completions.create(model=NAME, stream=True, n=2,
+                                                 stream_options={"include_usage": True}, **kw):
+            usage = ch.usage or usage
+            for c in ch.choices:
+                text[c.index] += c.delta.content or ""
+                calls[c.index] += len(c.delta.tool_calls or [])
+                if c.finish_reason:
+                    assert c.index not in finish
+                    finish[c.index] = c.finish_reason
+        got = [(text[i], calls[i], finish[i]) for i in (0, 1)]
+    else:
+        r = client.chat.completions.create(model=NAME, n=2, **kw)
+        usage = r.usage
+        got = [(c.message.content or "", len(c.message.tool_calls or []), c.finish_reason) for c in r.choices]
+    assert got == [("", 1, "tool_calls"), ("Sunny" + " y" * 150, 0, "stop")]
+    ids = {rid.rsplit("-", 1)[1]: rid for rid in set(eng.aborted_at) | set(eng.finished_at) if rid not in before}
+    assert eng.aborted_at[ids["0"]] < eng.finished_at[ids["1"]], (eng.aborted_at, eng.finished_at)
+    one = client.chat.completions.create(model=NAME, **kw)  # choice 0 alone
+    talk = "Sunny" + " y" * 150
+    assert usage.completion_tokens == one.usage.completion_tokens + (len(talk) if eng.chars else len(eng.tokenizer.encode(talk)))
 
 
 def test_tool_choice_none_leaves_text_alone(srv, client):
