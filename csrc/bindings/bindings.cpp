@@ -272,10 +272,6 @@ PYBIND11_MODULE(_engine, m) {
   }, "tests: limit decode clusters below the device's limit (0: the device's)");
   ops.def("attention_key_warps", [](int on) { attention_key_warps() = on != 0; },
           "decode attention blocks of four warps splitting the keys (1, default) or one warp per block (0)");
-  ops.def("attention_split_target", [](int n) {
-    OI_CHECK(n >= 1 && n <= 64, "attention_split_target: " << n << " (1..64)");
-    attention_split_target() = n;
-  }, "A/B: one-warp blocks per SM that decode key splits aim at (default 4); read before a bucket is captured");
   ops.def("attention_fuse_rope", [](int on) { attention_fuse_rope() = on != 0; },
           "A/B: decode buckets do q/k norm + RoPE + K/V write inside attention (1, default) or in their own "
           "kernel (0); read when a bucket is launched or captured");

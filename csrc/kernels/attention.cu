@@ -587,11 +587,6 @@ int& attention_cluster_cap() {
   return cap;
 }
 
-int& attention_split_target() {
-  static int t = 4;
-  return t;
-}
-
 bool& attention_fuse_rope() {
   static bool on = true;
   return on;
@@ -637,7 +632,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
   // took 9.2 us for batch 1 with 128 blocks and 9.6 with 256; 18.8 us for batch 8 with 512 blocks, 22.7
   // with 1024 and 23.1 with 256; 72 us for batch 64 unsplit (512 blocks), 81 us with two splits.
-  const int target = attention_split_target() * num_sms;
+  const int target = 4 * num_sms;
   if (blocks * 2 > target || num_tokens <= 0) return 1;
   int splits = target / blocks;
   // A split covers whole aligned chunks; with key warps a block's chunk is cut four ways, so each

@@ -59,10 +59,6 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
 
 void paged_attention(const AttnArgs& a, cudaStream_t s);
 
-// A/B (default 4): the one-warp blocks per SM that attn_num_splits aims the splits at; read when a
-// bucket's splits are chosen (before capture).
-int& attention_split_target();
-
 // Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
 int& attention_cluster_cap();
 

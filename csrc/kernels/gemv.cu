@@ -16,6 +16,23 @@ constexpr size_t kMaxSmem = 200 * 1024;  // staged input limit
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// A row's output: y[m, n] stored, accumulated onto (residual) or kept in fp32; v is its fp32 dot product.
+template <int OUT>
+__device__ __forceinline__ void store_row(const GemvArgs& a, int m, int n, float v) {
+  const int64_t i = (int64_t)m * a.N + n;
+  if (OUT == (int)GemvOut::kF32) {
+    static_cast<float*>(a.y)[i] = v;
+  } else {
+    bf16* y = static_cast<bf16*>(a.y);
+    y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? v + __bfloat162float(y[i]) : v);
+  }
+}
+
+// SiLU·up of a gate/up pair: y[m, i] = SiLU(gate) * up, each rounded to bf16 first, as unfused kernels do.
+__device__ __forceinline__ void store_silu(const GemvArgs& a, int m, int i, float gate, float up) {
+  static_cast<bf16*>(a.y)[(int64_t)m * (a.N / 2) + i] = __float2bfloat16(silu(bf16r(gate)) * bf16r(up));
+}
+
 // Per-thread partial sums of squares -> every thread's 1 / rms of each input row (red: [MT][kWarps]).
 template <int MT>
 __device__ __forceinline__ void block_rstd(float (&ss)[MT], float (&red)[MT][kWarps], float (&rstd)[MT], int K, float eps) {
@@ -254,22 +271,10 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
       if (m < a.M) {
         if (OUT == (int)GemvOut::kSiluMul) {
           const int i = tile * (rb / 2) + r;
-          if (i < half) {
-            const float g = bf16r(row_sum(r)), u = bf16r(row_sum(r + rb / 2));
-            static_cast<bf16*>(a.y)[(int64_t)m * half + i] = __float2bfloat16(silu(g) * u);
-          }
+          if (i < half) store_silu(a, m, i, row_sum(r), row_sum(r + rb / 2));
         } else {
           const int n = tile * rb + r;
-          if (n < a.N) {
-            const int64_t i = (int64_t)m * a.N + n;
-            const float v = row_sum(r);
-            if (OUT == (int)GemvOut::kF32) {
-              static_cast<float*>(a.y)[i] = v;
-            } else {
-              bf16* y = static_cast<bf16*>(a.y);
-              y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? v + __bfloat162float(y[i]) : v);
-            }
-          }
+          if (n < a.N) store_row<OUT>(a, m, n, row_sum(r));
         }
       }
     }
@@ -375,22 +380,10 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_tc_kernel(Gemv
       if (m < a.M) {
         if (OUT == (int)GemvOut::kSiluMul) {
           const int i = tile * rp + o;
-          if (i < half) {
-            const float gt = bf16r(row_sum(o, 0)), up = bf16r(row_sum(o, 1));
-            static_cast<bf16*>(a.y)[(int64_t)m * half + i] = __float2bfloat16(silu(gt) * up);
-          }
+          if (i < half) store_silu(a, m, i, row_sum(o, 0), row_sum(o, 1));
         } else {
           const int n = tile * 2 * rp + o;
-          if (n < a.N) {
-            const int64_t i = (int64_t)m * a.N + n;
-            const float v = row_sum(o >> 1, o & 1);
-            if (OUT == (int)GemvOut::kF32) {
-              static_cast<float*>(a.y)[i] = v;
-            } else {
-              bf16* y = static_cast<bf16*>(a.y);
-              y[i] = __float2bfloat16(OUT == (int)GemvOut::kAccumulate ? v + __bfloat162float(y[i]) : v);
-            }
-          }
+          if (n < a.N) store_row<OUT>(a, m, n, row_sum(o >> 1, o & 1));
         }
       }
     }
