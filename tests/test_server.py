@@ -545,6 +545,10 @@ def test_auth_size_routes_and_health_after_bad_input(server, client):
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.get(server.url + C, headers={"Authorization": f"Bearer {API_KEY}"})
     assert r.status_code == 405 and "error" in r.json()
+    # a trailing slash is served, not redirected (clients do not repeat a POST after a 307)
+    r = post(server, C + "/", OK_C)
+    assert r.status_code == 200 and r.json()["choices"], r.text
+    assert httpx.get(server.url + "/health/", timeout=10).status_code == 200
     # unknown extra fields are ignored, as OpenAI does; "off" values of unsupported ones pass
     r = post(server, C, dict(OK_C, some_future_field={"x": 1}, frequency_penalty=0, user="u"))
     assert r.status_code == 200, r.text

@@ -22,6 +22,7 @@ from typing import Any, AsyncIterator
 import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -644,6 +645,20 @@ def _generation_defaults(engine: Any) -> dict:
     return d
 
 
+class _TrailingSlash:
+    """Serves '/v1/completions/' as '/v1/completions'. Starlette would answer 307 to the path without the
+    slash, and HTTP clients do not repeat a POST after a redirect by default."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        path = scope.get("path", "")
+        if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
+            scope = dict(scope, path=path.rstrip("/") or "/")
+        await self.app(scope, receive, send)
+
+
 def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               chat_template: ChatTemplate | None = None) -> Starlette:
@@ -676,7 +691,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
         Route("/tokenize", _route(tokenize), methods=["POST"]),
         Route("/detokenize", _route(detokenize), methods=["POST"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=[Middleware(_TrailingSlash)],
                     exception_handlers={HTTPException: _http_error})
     app.state.openinfer = st
     return app
