@@ -282,6 +282,12 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("gemv_takes_tensor_cores", [](int M, int K, int in_mode, int out_mode) {
     return gemv_takes_tensor_cores(M, K, (GemvIn)in_mode, (GemvOut)out_mode);
   }, "whether the fused GEMV takes the tensor-core kernel for M rows, K and the prologue/epilogue (host only)");
+  ops.def("persistent_decode", [](int on) { persistent_decode() = on != 0; },
+          "batch-1 decode buckets run every layer in one persistent kernel where it fits (1, default) or kernel by "
+          "kernel (0); read when a bucket is launched or captured");
+  ops.def("persistent_fits", [](int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
+    return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
+  }, "whether persistent_layers() serves this geometry on the current device");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

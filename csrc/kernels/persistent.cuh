@@ -1,0 +1,48 @@
+// Every decoder layer of a batch-1 decode step in one persistent kernel (one block per SM).
+// The separate kernels leave memory idle at each dependency: a projection's blocks land only once the
+// previous kernel's leave, and the o projection waits for attention. Here each block's copy warp streams
+// the block's share of every weight matrix, layer after layer, into a ring of shared-memory slots with
+// bulk copies, bounded only by the ring; the weights depend on nothing, so they keep arriving while the
+// compute warps wait for a projection's input (a counter in global memory per layer and phase) or run
+// attention. Batch 1 only: the GEMVs use the MMA diagonal trick of the fused GEMV (gemv.cu).
+#pragma once
+#include "../common.h"
+#include "rope_kv.cuh"
+
+namespace oi {
+
+struct LayerWeights {
+  bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
+  bf16 *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
+};
+
+struct PersistentArgs {
+  const LayerWeights* layers;  // device array [num_layers]
+  int num_layers, hidden, intermediate, heads, kv_heads;
+  float eps;
+  bf16* x;     // [hidden] residual stream, updated in place
+  bf16* qkv;   // [(heads + 2 kv_heads) * 128]
+  bf16* attn;  // [heads * 128]
+  bf16* act;   // [intermediate] SiLU(gate)·up
+  bf16* kv_cache;
+  KvLayout kv;
+  const int32_t *positions, *slots, *context_lens, *block_tables;  // row 0 of the step's metadata
+  const float2* cos_sin;
+  int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
+  float* ws;      // persistent_ws_floats(): attention split partials
+};
+
+// Whether the kernel serves this geometry on this device (head_dim 128, 4 query heads per KV head,
+// every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
+bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim);
+int64_t persistent_counter_ints(int num_layers, int kv_heads);
+int64_t persistent_ws_floats(int kv_heads, int num_sms);
+
+// Launches (cooperatively: every block must be resident) after zeroing the counters.
+void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
+
+// A/B switch (default 1): batch-1 decode buckets run their layers through persistent_layers() where it
+// fits; 0 keeps the kernel-per-operation path. Set before an engine captures its graphs.
+int& persistent_decode();
+
+}  // namespace oi
