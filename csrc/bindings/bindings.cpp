@@ -288,6 +288,23 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("persistent_fits", [](int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
     return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
   }, "whether persistent_layers() serves this geometry on the current device");
+  ops.def("persistent_debug", [](int mask) { persistent_debug() = mask; },
+          "profiling only, wrong outputs: persistent_layers() waits for no counter (1) and/or skips attention (2)");
+  ops.def("persistent_trace", [](bool on) {
+    persistent_trace_enable(on);
+    py::array_t<uint64_t> out;
+    if (!on) {
+      int sms = 0, dev = 0;
+      OI_CUDA_CHECK(cudaGetDevice(&dev));
+      OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      persistent_trace_enable(true);
+      out = py::array_t<uint64_t>({sms, kPersistentEvents});
+      OI_CUDA_CHECK(cudaDeviceSynchronize());
+      OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), persistent_trace(), out.nbytes(), cudaMemcpyDeviceToHost));
+      persistent_trace_enable(false);
+    }
+    return out;
+  }, "profiling: trace layer 10 of later persistent launches (True), or stop and return [SMs, 16] globaltimer ns (False)");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

@@ -39,6 +39,11 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
 __host__ __device__ __forceinline__ int range_begin(int n, int b, int G) { return (int)((int64_t)n * b / G); }
 
 struct Proj {
@@ -66,6 +71,8 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       for (int u = u0; u < u1; u += p.units[P]) {
         const uint32_t bytes = min(p.units[P], u1 - u) * row_bytes;
         mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
+        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
+          a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
         if (P == kGu) {
           mbar_expect_tx(&full[slot], 2 * bytes);
@@ -82,8 +89,8 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
 }
 
 // Thread 0 waits until another block's release made *c reach target; the barrier passes it on.
-__device__ __forceinline__ void wait_counter(const int* c, int target) {
-  if (threadIdx.x == 0) {
+__device__ __forceinline__ void wait_counter(const int* c, int target, int debug) {
+  if (threadIdx.x == 0 && !(debug & 1)) {
     while (ld_acquire(c) < target) {
     }
     __threadfence();
@@ -254,7 +261,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     }
   };
   if (item) load_chunk(k0);  // keys of earlier steps: no dependency on this layer
-  wait_counter(ctr + 0, gridDim.x);
+  wait_counter(ctr + 0, gridDim.x, a.debug);
   if (!item) return;
 
   float* sq = scratch;                // [4][128]
@@ -431,25 +438,44 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   const int G = gridDim.x, H = a.hidden, per_layer = kCtr + a.kv_heads;
   int slot = 0;
   uint32_t phase = 0;
+  const int dbg = a.debug;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
     int* ctr = a.counters + l * per_layer;
-    if (l > 0) wait_counter(ctr - per_layer + 4, G);  // the previous layer's down projection
+    uint64_t* tr = a.trace && l == kPersistentTraceLayer && threadIdx.x == 0 ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
+    auto mark = [&](int e) {
+      if (tr) tr[e] = now_ns();
+    };
+    mark(0);
+    if (l > 0) wait_counter(ctr - per_layer + 4, G, dbg);  // the previous layer's down projection
+    mark(1);
     stage_input<true>(a.x, w.input_norm, H, a.eps, sx, red);
+    mark(2);
     gemv_phase<kQkv>(a, p, proj_of(a, w, kQkv), sx, ring, full, empty, slot, phase);
+    mark(3);
     signal_counter(ctr + 0);
-    attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag);
-    wait_counter(ctr + 1, a.kv_heads);
+    if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag);
+    mark(4);
+    wait_counter(ctr + 1, a.kv_heads, dbg | (dbg >> 1));
+    mark(5);
     stage_input<false>(a.attn, nullptr, a.heads * kD, a.eps, sx, red);
+    mark(6);
     gemv_phase<kO>(a, p, proj_of(a, w, kO), sx, ring, full, empty, slot, phase);
+    mark(7);
     signal_counter(ctr + 2);
-    wait_counter(ctr + 2, G);
+    wait_counter(ctr + 2, G, dbg);
+    mark(8);
     stage_input<true>(a.x, w.post_norm, H, a.eps, sx, red);
+    mark(9);
     gemv_phase<kGu>(a, p, proj_of(a, w, kGu), sx, ring, full, empty, slot, phase);
+    mark(10);
     signal_counter(ctr + 3);
-    wait_counter(ctr + 3, G);
+    wait_counter(ctr + 3, G, dbg);
+    mark(11);
     stage_input<false>(a.act, nullptr, a.intermediate, a.eps, sx, red);
+    mark(12);
     gemv_phase<kDown>(a, p, proj_of(a, w, kDown), sx, ring, full, empty, slot, phase);
+    mark(13);
     signal_counter(ctr + 4);
   }
 }
@@ -487,6 +513,28 @@ Plan make_plan(int H, int I, int heads) {
 }
 
 }  // namespace
+
+int& persistent_debug() {
+  static int mask = 0;
+  return mask;
+}
+
+namespace {
+uint64_t* g_trace = nullptr;
+bool g_trace_on = false;
+}  // namespace
+
+void persistent_trace_enable(bool on) {
+  if (on && !g_trace) {
+    int dev = 0, sms = 0;
+    OI_CUDA_CHECK(cudaGetDevice(&dev));
+    OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    OI_CUDA_CHECK(cudaMalloc(&g_trace, (size_t)sms * kPersistentEvents * sizeof(uint64_t)));
+  }
+  g_trace_on = on;
+}
+
+uint64_t* persistent_trace() { return g_trace_on ? g_trace : nullptr; }
 
 int& persistent_decode() {
   static int mode = 1;

@@ -30,7 +30,16 @@ struct PersistentArgs {
   const float2* cos_sin;
   int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
   float* ws;      // persistent_ws_floats(): attention split partials
+  uint64_t* trace;  // profiling: [blocks][kPersistentEvents] globaltimer ns of layer kPersistentTraceLayer, or null
+  int debug;        // profiling, wrong outputs: bit 0 waits for no counter, bit 1 skips attention
 };
+
+constexpr int kPersistentEvents = 16;
+constexpr int kPersistentTraceLayer = 10;
+// Profiling switches read at launch: the debug mask above, and a trace buffer (allocated on first use).
+int& persistent_debug();
+void persistent_trace_enable(bool on);
+uint64_t* persistent_trace();  // the device buffer [SMs][kPersistentEvents] while enabled, else null
 
 // Whether the kernel serves this geometry on this device (head_dim 128, 4 query heads per KV head,
 // every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
