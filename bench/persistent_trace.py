@@ -16,7 +16,9 @@ from bench_engine import Runner, model_dir
 
 EVENTS = ["layer start", "prev down done", "qkv input staged", "qkv done", "attention done", "attention merged",
           "o input staged", "o done", "o everywhere", "gate_up input staged", "gate_up done", "gate_up everywhere",
-          "down input staged", "down done", "copy: first qkv stage", "copy: first gate_up stage"]
+          "down input staged", "down done", "copy: first qkv stage", "copy: first gate_up stage",
+          *[f"o done, warp {w}" for w in range(6)], "attn: qkv everywhere", "attn: q, k, v prepared",
+          "attn: scores", "attn: softmax", "attn: P.V", "attn: partial written", "attn: merged"]
 
 
 def main() -> None:
@@ -40,12 +42,16 @@ def main() -> None:
         _engine.ops.persistent_trace(True)
         be.step(**args, force_eager=True)
         t = _engine.ops.persistent_trace(False).astype(np.int64)
-        rows.append((t - t[:, 0].min()) / 1e3)
-    t = np.median(np.stack(rows), axis=0)  # [blocks, events] µs, median over steps per block
+        t = np.where(t > 0, (t - t[:, 0].min()) / 1e3, np.nan)
+        rows.append(t)
+    t = np.nanmedian(np.stack(rows), axis=0)  # [blocks, events] µs, median over steps per block
     print(f"{'event':28} {'min':>8} {'median':>8} {'max':>8}  (µs from the layer's earliest start; {t.shape[0]} blocks)")
     out = []
     for e, name in enumerate(EVENTS):
         col = t[:, e]
+        col = col[np.isfinite(col)]  # events some blocks do not reach (attention items, merges)
+        if not len(col):
+            continue
         print(f"{name:28} {col.min():8.2f} {np.median(col):8.2f} {col.max():8.2f}")
         out.append(dict(event=name, min=float(col.min()), median=float(np.median(col)), max=float(col.max())))
     if a.out:

@@ -293,18 +293,16 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("persistent_trace", [](bool on) {
     persistent_trace_enable(on);
     py::array_t<uint64_t> out;
-    if (!on) {
+    if (!on && persistent_trace_data()) {
       int sms = 0, dev = 0;
       OI_CUDA_CHECK(cudaGetDevice(&dev));
       OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-      persistent_trace_enable(true);
       out = py::array_t<uint64_t>({sms, kPersistentEvents});
       OI_CUDA_CHECK(cudaDeviceSynchronize());
-      OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), persistent_trace(), out.nbytes(), cudaMemcpyDeviceToHost));
-      persistent_trace_enable(false);
+      OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), persistent_trace_data(), out.nbytes(), cudaMemcpyDeviceToHost));
     }
     return out;
-  }, "profiling: trace layer 10 of later persistent launches (True), or stop and return [SMs, 16] globaltimer ns (False)");
+  }, "profiling: trace layer 10 of later persistent launches (True), or stop and return [SMs, 32] globaltimer ns (False)");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

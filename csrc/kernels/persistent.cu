@@ -237,8 +237,11 @@ __device__ __forceinline__ void halve(float (&v)[64], int lane) {
 // arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
 // lane), requested before this layer's qkv is complete.
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
-                                int* flag) {
+                                int* flag, uint64_t* tr) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  auto mark = [&](int e) {
+    if (tr) tr[e] = now_ns();
+  };
   const int KVH = a.kv_heads, L = a.context_lens[0], pos = a.positions[0];
   const int S = max(1, min(min(kMaxSplits, (int)gridDim.x / KVH), (L + kMinSplitKeys - 1) / kMinSplitKeys));
   const bool item = (int)blockIdx.x < KVH * S;
@@ -263,6 +266,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   if (item) load_chunk(k0);  // keys of earlier steps: no dependency on this layer
   wait_counter(ctr + 0, gridDim.x, a.debug);
   if (!item) return;
+  mark(22);
 
   float* sq = scratch;                // [4][128]
   float* ssc = sq + kGroup * kD;      // [4][kChunk]
@@ -290,6 +294,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   }
   if (tid < kGroup) stat[tid] = kNegInf, stat[4 + tid] = 0.f;
   compute_sync();
+  mark(23);
 
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   float q[kGroup][4], acc[kGroup][4];
@@ -334,6 +339,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       ssc[(h0 + 1) * kChunk + warp * kKeysPerWarp + r] = ok ? v[1] * scale_log2 : kNegInf;
     }
     compute_sync();
+    mark(24);
     if (warp < kGroup) {  // online softmax of head `warp` over the chunk
       float* row = ssc + warp * kChunk;
       float cm = kNegInf;
@@ -358,6 +364,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       }
     }
     compute_sync();
+    mark(25);
 #pragma unroll
     for (int h = 0; h < kGroup; ++h) {
       const float al = stat[8 + h];
@@ -378,6 +385,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     }
     compute_sync();  // the scores are rewritten by the next chunk
   }
+  mark(26);
 
   // This split's partial: the warps' P.V summed, with m and l.
 #pragma unroll
@@ -400,22 +408,44 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     *flag = last;
   }
   compute_sync();
+  mark(27);
   if (!*flag) return;
+  // The merge: each split's weight per head first (m and l of all splits in one round of loads), then
+  // every output element's weighted sum with its split loads in flight together.
   const float* base = a.ws + (int64_t)kvh * kMaxSplits * kPartial;
+  float* wgt = ssc;  // [kMaxSplits][4]
+  if (tid < kGroup) {
+    const int h = tid;
+    float m[kMaxSplits], ls[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      m[s] = s < S ? __ldcg(base + s * kPartial + kGroup * kD + h) : kNegInf;
+      ls[s] = s < S ? __ldcg(base + s * kPartial + kGroup * kD + kGroup + h) : 0.f;
+    }
+    float M = kNegInf, den = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) M = fmaxf(M, m[s]);
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      m[s] = m[s] == kNegInf ? 0.f : exp2f(m[s] - M);
+      den += m[s] * ls[s];
+    }
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) wgt[s * kGroup + h] = den > 0.f ? m[s] / den : 0.f;
+  }
+  compute_sync();
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
     const int h = e / kD;
-    float M = kNegInf;
-    for (int s = 0; s < S; ++s) M = fmaxf(M, __ldcg(base + s * kPartial + kGroup * kD + h));
-    float num = 0.f, den = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float m = __ldcg(base + s * kPartial + kGroup * kD + h);
-      const float wgt = m == kNegInf ? 0.f : exp2f(m - M);
-      num += wgt * __ldcg(base + s * kPartial + e);
-      den += wgt * __ldcg(base + s * kPartial + kGroup * kD + kGroup + h);
-    }
-    a.attn[(kvh * kGroup + h) * kD + e % kD] = __float2bfloat16(den > 0.f ? num / den : 0.f);
+    float o[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) o[s] = s < S ? __ldcg(base + s * kPartial + e) : 0.f;
+    float num = 0.f;
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) num += wgt[s * kGroup + h] * o[s];
+    a.attn[(kvh * kGroup + h) * kD + e % kD] = __float2bfloat16(num);
   }
   signal_counter(ctr + 1);
+  mark(28);
 }
 
 __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs a, Plan p) {
@@ -454,7 +484,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     gemv_phase<kQkv>(a, p, proj_of(a, w, kQkv), sx, ring, full, empty, slot, phase);
     mark(3);
     signal_counter(ctr + 0);
-    if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag);
+    if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
     mark(4);
     wait_counter(ctr + 1, a.kv_heads, dbg | (dbg >> 1));
     mark(5);
@@ -462,6 +492,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     mark(6);
     gemv_phase<kO>(a, p, proj_of(a, w, kO), sx, ring, full, empty, slot, phase);
     mark(7);
+    if (a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
+      a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
     signal_counter(ctr + 2);
     wait_counter(ctr + 2, G, dbg);
     mark(8);
@@ -522,19 +554,22 @@ int& persistent_debug() {
 namespace {
 uint64_t* g_trace = nullptr;
 bool g_trace_on = false;
+int g_trace_sms() {
+  int dev = 0, sms = 0;
+  OI_CUDA_CHECK(cudaGetDevice(&dev));
+  OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
 }  // namespace
 
 void persistent_trace_enable(bool on) {
-  if (on && !g_trace) {
-    int dev = 0, sms = 0;
-    OI_CUDA_CHECK(cudaGetDevice(&dev));
-    OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    OI_CUDA_CHECK(cudaMalloc(&g_trace, (size_t)sms * kPersistentEvents * sizeof(uint64_t)));
-  }
+  if (on && !g_trace) OI_CUDA_CHECK(cudaMalloc(&g_trace, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
+  if (on) OI_CUDA_CHECK(cudaMemset(g_trace, 0, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
   g_trace_on = on;
 }
 
 uint64_t* persistent_trace() { return g_trace_on ? g_trace : nullptr; }
+const uint64_t* persistent_trace_data() { return g_trace; }
 
 int& persistent_decode() {
   static int mode = 1;

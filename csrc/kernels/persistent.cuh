@@ -34,12 +34,13 @@ struct PersistentArgs {
   int debug;        // profiling, wrong outputs: bit 0 waits for no counter, bit 1 skips attention
 };
 
-constexpr int kPersistentEvents = 16;
+constexpr int kPersistentEvents = 32;
 constexpr int kPersistentTraceLayer = 10;
 // Profiling switches read at launch: the debug mask above, and a trace buffer (allocated on first use).
 int& persistent_debug();
 void persistent_trace_enable(bool on);
-uint64_t* persistent_trace();  // the device buffer [SMs][kPersistentEvents] while enabled, else null
+uint64_t* persistent_trace();             // the device buffer [SMs][kPersistentEvents] while enabled, else null
+const uint64_t* persistent_trace_data();  // the buffer itself (null before the first enable)
 
 // Whether the kernel serves this geometry on this device (head_dim 128, 4 query heads per KV head,
 // every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
