@@ -16,6 +16,7 @@ constexpr int kMaxSplits = 16;               // key splits per KV head
 constexpr int kKeysPerWarp = 16;             // keys a warp holds in registers per chunk
 constexpr int kChunk = kSlots * kKeysPerWarp;
 constexpr int kMinSplitKeys = 64;
+constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
 // Attention scratch (floats), aliased with the staged GEMV input: q [4][128], scores [4][kChunk], running
@@ -88,29 +89,47 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   }
 }
 
-// Thread 0 waits until another block's release made *c reach target; the barrier passes it on.
+// A counter is kWays sub-counters on separate 128-byte lines: a block adds to sub-counter b % kWays, so
+// the 132 arrivals and the pollers do not all meet on one L2 line.
+constexpr int kWays = 8, kStride = 32;  // ints
+constexpr int kCounterInts = kWays * kStride;
+
+// Warp 0 polls the sub-counters (acquire) until they sum to target; the barrier passes it on (the
+// pattern of CUTLASS's generic barrier). debug bit 0: no wait; bit 2: back off between polls; bit 3: one
+// sub-counter only.
 __device__ __forceinline__ void wait_counter(const int* c, int target, int debug) {
-  if (threadIdx.x == 0 && !(debug & 1)) {
-    while (ld_acquire(c) < target) {
+  if (threadIdx.x < 32 && !(debug & 1)) {
+    const int lane = threadIdx.x, ways = (debug & 8) ? 1 : kWays;
+    for (;;) {
+      int v = lane < ways ? ld_acquire(c + lane * kStride) : 0;
+      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+      if (v >= target) break;
+      if (debug & 4) __nanosleep(64);
     }
-    __threadfence();
   }
   compute_sync();
 }
 // After every compute thread's writes: one release per block.
-__device__ __forceinline__ void signal_counter(int* c) {
+__device__ __forceinline__ void signal_counter(int* c, int debug) {
   compute_sync();
   if (threadIdx.x == 0) {
-    __threadfence();
-    atomicAdd(c, 1);
+    int* p = c + (blockIdx.x % ((debug & 8) ? 1 : kWays)) * kStride;
+    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p) : "memory");
   }
 }
 
 // A GEMV's input in shared memory as bf16, RMSNorm applied with the rmsnorm kernel's roundings (each
 // thread on the elements it staged). Another block wrote src: read through L2.
+// For a residual add (res != null) the block's rows of x are read here too, into sres, so that the
+// epilogue does not wait on L2 for each.
 template <bool NORM>
-__device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, bf16* sx, float* red) {
+__device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, bf16* sx, float* red,
+                            const bf16* res = nullptr, int res_units = 0, float* sres = nullptr) {
   const int tid = threadIdx.x, lane = tid & 31;
+  if (res) {
+    const int u0 = range_begin(res_units, blockIdx.x, gridDim.x), n = range_begin(res_units, blockIdx.x + 1, gridDim.x) - u0;
+    if (tid < n) sres[tid] = __bfloat162float(__ldcg(res + u0 + tid));
+  }
   float ss = 0.f;
   for (int k = tid * 8; k < K; k += kCThreads * 8) {
     const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + k));
@@ -153,7 +172,7 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
 // slot's rows go through the MMA diagonal in pairs (gemv.cu, gemv_tc_kernel): lane (g, t) puts row A's
 // 16 bytes per 256-column chunk in MMA row g, row B's in row g + 8, its input elements in B column g.
 template <int P>
-__device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
+__device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
                            const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
@@ -204,10 +223,10 @@ __device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& p
             } else if (P == kQkv) {
               a.qkv[u + 2 * pp] = __float2bfloat16(va);
               if (2 * pp + 1 < n) a.qkv[u + 2 * pp + 1] = __float2bfloat16(vb);
-            } else {  // o, down: the residual add; another block wrote x last
-              bf16* y = a.x + u + 2 * pp;
-              y[0] = __float2bfloat16(va + __bfloat162float(__ldcg(y)));
-              if (2 * pp + 1 < n) y[1] = __float2bfloat16(vb + __bfloat162float(__ldcg(y + 1)));
+            } else {  // o, down: the residual add (x's rows staged with the input)
+              const int i = u - u0 + 2 * pp;
+              a.x[u0 + i] = __float2bfloat16(va + sres[i]);
+              if (2 * pp + 1 < n) a.x[u0 + i + 1] = __float2bfloat16(vb + sres[i + 1]);
             }
           }
         }
@@ -264,7 +283,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     }
   };
   if (item) load_chunk(k0);  // keys of earlier steps: no dependency on this layer
-  wait_counter(ctr + 0, gridDim.x, a.debug);
+  wait_counter(ctr + 0 * kCounterInts, gridDim.x, a.debug);
   if (!item) return;
   mark(22);
 
@@ -403,7 +422,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   compute_sync();
   if (tid == 0) {
     __threadfence();
-    const bool last = atomicAdd(ctr + kCtr + kvh, 1) == S - 1;
+    const bool last = atomicAdd(ctr + (kCtr + kvh) * kCounterInts, 1) == S - 1;
     if (last) __threadfence();
     *flag = last;
   }
@@ -444,7 +463,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     for (int s = 0; s < kMaxSplits; ++s) num += wgt[s * kGroup + h] * o[s];
     a.attn[(kvh * kGroup + h) * kD + e % kD] = __float2bfloat16(num);
   }
-  signal_counter(ctr + 1);
+  signal_counter(ctr + 1 * kCounterInts, a.debug);
   mark(28);
 }
 
@@ -455,6 +474,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   bf16* sx = reinterpret_cast<bf16*>(smem + 128);  // staged input, or the attention scratch
   unsigned char* ring = smem + 128 + p.x_bytes;
   __shared__ float red[kSlots];
+  __shared__ float sres[kMaxRowsPerBlock];
   __shared__ int flag;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 1);
@@ -465,7 +485,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
     return;
   }
-  const int G = gridDim.x, H = a.hidden, per_layer = kCtr + a.kv_heads;
+  const int G = gridDim.x, H = a.hidden, per_layer = (kCtr + a.kv_heads) * kCounterInts;
   int slot = 0;
   uint32_t phase = 0;
   const int dbg = a.debug;
@@ -477,38 +497,38 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       if (tr) tr[e] = now_ns();
     };
     mark(0);
-    if (l > 0) wait_counter(ctr - per_layer + 4, G, dbg);  // the previous layer's down projection
+    if (l > 0) wait_counter(ctr - per_layer + 4 * kCounterInts, G, dbg);  // the previous layer's down projection
     mark(1);
     stage_input<true>(a.x, w.input_norm, H, a.eps, sx, red);
     mark(2);
-    gemv_phase<kQkv>(a, p, proj_of(a, w, kQkv), sx, ring, full, empty, slot, phase);
+    gemv_phase<kQkv>(a, p, proj_of(a, w, kQkv), sx, sres, ring, full, empty, slot, phase);
     mark(3);
-    signal_counter(ctr + 0);
+    signal_counter(ctr + 0 * kCounterInts, dbg);
     if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
     mark(4);
-    wait_counter(ctr + 1, a.kv_heads, dbg | (dbg >> 1));
+    wait_counter(ctr + 1 * kCounterInts, a.kv_heads, dbg | ((dbg >> 1) & 1));
     mark(5);
-    stage_input<false>(a.attn, nullptr, a.heads * kD, a.eps, sx, red);
+    stage_input<false>(a.attn, nullptr, a.heads * kD, a.eps, sx, red, a.x, H, sres);
     mark(6);
-    gemv_phase<kO>(a, p, proj_of(a, w, kO), sx, ring, full, empty, slot, phase);
+    gemv_phase<kO>(a, p, proj_of(a, w, kO), sx, sres, ring, full, empty, slot, phase);
     mark(7);
     if (a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
       a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
-    signal_counter(ctr + 2);
-    wait_counter(ctr + 2, G, dbg);
+    signal_counter(ctr + 2 * kCounterInts, dbg);
+    wait_counter(ctr + 2 * kCounterInts, G, dbg);
     mark(8);
     stage_input<true>(a.x, w.post_norm, H, a.eps, sx, red);
     mark(9);
-    gemv_phase<kGu>(a, p, proj_of(a, w, kGu), sx, ring, full, empty, slot, phase);
+    gemv_phase<kGu>(a, p, proj_of(a, w, kGu), sx, sres, ring, full, empty, slot, phase);
     mark(10);
-    signal_counter(ctr + 3);
-    wait_counter(ctr + 3, G, dbg);
+    signal_counter(ctr + 3 * kCounterInts, dbg);
+    wait_counter(ctr + 3 * kCounterInts, G, dbg);
     mark(11);
-    stage_input<false>(a.act, nullptr, a.intermediate, a.eps, sx, red);
+    stage_input<false>(a.act, nullptr, a.intermediate, a.eps, sx, red, a.x, H, sres);
     mark(12);
-    gemv_phase<kDown>(a, p, proj_of(a, w, kDown), sx, ring, full, empty, slot, phase);
+    gemv_phase<kDown>(a, p, proj_of(a, w, kDown), sx, sres, ring, full, empty, slot, phase);
     mark(13);
-    signal_counter(ctr + 4);
+    signal_counter(ctr + 4 * kCounterInts, dbg);
   }
 }
 
@@ -581,12 +601,15 @@ bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int 
   return make_plan(hidden, intermediate, heads).slots >= 2;
 }
 
-int64_t persistent_counter_ints(int num_layers, int kv_heads) { return (int64_t)num_layers * (kCtr + kv_heads); }
+int64_t persistent_counter_ints(int num_layers, int kv_heads) {
+  return (int64_t)num_layers * (kCtr + kv_heads) * kCounterInts;
+}
 int64_t persistent_ws_floats(int kv_heads, int) { return (int64_t)kv_heads * kMaxSplits * kPartial; }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   const Plan p = make_plan(a.hidden, a.intermediate, a.heads);
-  OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads, "persistent_layers: geometry does not fit");
+  OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms,
+           "persistent_layers: geometry does not fit");
   static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
   if (p.smem > configured) {
     OI_CUDA_CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem));

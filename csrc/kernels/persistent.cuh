@@ -31,7 +31,8 @@ struct PersistentArgs {
   int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
   float* ws;      // persistent_ws_floats(): attention split partials
   uint64_t* trace;  // profiling: [blocks][kPersistentEvents] globaltimer ns of layer kPersistentTraceLayer, or null
-  int debug;        // profiling, wrong outputs: bit 0 waits for no counter, bit 1 skips attention
+  int debug;        // profiling (bits 0-1 give wrong outputs): bit 0 waits for no counter, bit 1 skips attention,
+                    // bit 2 backs off between polls, bit 3 puts every arrival on one line
 };
 
 constexpr int kPersistentEvents = 32;
