@@ -18,7 +18,8 @@ EVENTS = ["layer start", "prev down done", "qkv input staged", "qkv done", "atte
           "o input staged", "o done", "o everywhere", "gate_up input staged", "gate_up done", "gate_up everywhere",
           "down input staged", "down done", "copy: first qkv stage", "copy: first gate_up stage",
           *[f"o done, warp {w}" for w in range(6)], "attn: qkv everywhere", "attn: q, k, v prepared",
-          "attn: scores", "attn: softmax", "attn: P.V", "attn: partial written", "attn: merged"]
+          "attn: scores", "attn: softmax", "attn: P.V", "attn: partial written", "attn: merged", "o warp 1: data ready",
+          "o warp 1: first pass done (debug 16)", "o warp 1: MMAs done"]
 
 
 def main() -> None:
@@ -26,9 +27,12 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out", default="")
+    ap.add_argument("--debug", type=int, default=0, help="persistent_debug mask while tracing")
     a = ap.parse_args()
     import openinfer
     from openinfer import _engine
+
+    _engine.ops.persistent_debug(a.debug)
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
                            max_num_seqs=8, gpu_memory_utilization=0.5)

@@ -171,9 +171,9 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
 // One projection: the block's rows [u0, u1), ring slot by ring slot; warp w takes the slots it owns. A
 // slot's rows go through the MMA diagonal in pairs (gemv.cu, gemv_tc_kernel): lane (g, t) puts row A's
 // 16 bytes per 256-column chunk in MMA row g, row B's in row g + 8, its input elements in B column g.
-template <int P>
-__device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
-                           const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
+__device__ __noinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
+                           const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase,
+                           uint64_t* tr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
   const int K = pr.K, chunks = K / 256, U = p.units[P];
@@ -182,8 +182,12 @@ __device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& p
       const int n = min(U, u1 - u), npairs = P == kGu ? n : (n + 1) / 2;
       const bf16* st = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
       mbar_wait(&full[slot], phase);
+      const bool trw = tr && lane == 0 && warp == 1 && P == kO;
+      if (trw) tr[29] = now_ns();
       for (int q0 = 0; q0 < npairs; q0 += 4) {
         float acc[4][2][4];
+        for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
+        if (trw && rep == 1) tr[30] = now_ns();
 #pragma unroll
         for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -203,6 +207,8 @@ __device__ void gemv_phase(const PersistentArgs& a, const Plan& p, const Proj& p
             }
           }
         }
+        }
+        if (trw) tr[31] = now_ns();
         // The diagonal: lane (g, g / 2) holds C[g][g] in d[g & 1] (row A) and C[g+8][g] in d[2 + (g & 1)].
         const bool diag = t == (g >> 1);
 #pragma unroll
@@ -268,18 +274,22 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   const int per = (L + S - 1) / S, k0 = sp * per, k1 = min(L, k0 + per);
   const int bs = a.kv.block_size;
 
+  // K/V rows of a warp's 16 keys: lane r < 16 finds key r's row (one division), the loop broadcasts it.
+  const int64_t kv_base = (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
+  const int64_t v_off = (int64_t)KVH * bs * kD, page_stride = a.kv.block_stride();
   uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
   auto load_chunk = [&](int c0) {
+    const int key = c0 + warp * kKeysPerWarp + (lane & (kKeysPerWarp - 1));
+    long long off = -1;
+    if (key < k1 && key < L - 1) {  // the newest key comes from shared memory
+      const int pg = key / bs;
+      off = a.block_tables[pg] * page_stride + kv_base + (int64_t)(key - pg * bs) * kD;
+    }
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
-      const int key = c0 + warp * kKeysPerWarp + r;
-      if (key < k1 && key < L - 1) {  // the newest key comes from shared memory
-        const int64_t s = (int64_t)a.block_tables[key / bs] * bs + key % bs;
-        kr[r] = __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + kv_row_offset(a.kv, l, s, kvh, false) + lane * 4));
-        vr[r] = __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + kv_row_offset(a.kv, l, s, kvh, true) + lane * 4));
-      } else {
-        kr[r] = vr[r] = make_uint2(0, 0);
-      }
+      const long long o = __shfl_sync(0xffffffffu, off, r);
+      kr[r] = o >= 0 ? __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + o + lane * 4)) : make_uint2(0, 0);
+      vr[r] = o >= 0 ? __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + o + v_off + lane * 4)) : make_uint2(0, 0);
     }
   };
   if (item) load_chunk(k0);  // keys of earlier steps: no dependency on this layer
@@ -501,7 +511,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     mark(1);
     stage_input<true>(a.x, w.input_norm, H, a.eps, sx, red);
     mark(2);
-    gemv_phase<kQkv>(a, p, proj_of(a, w, kQkv), sx, sres, ring, full, empty, slot, phase);
+    gemv_phase(kQkv, a, p, proj_of(a, w, kQkv), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
     mark(3);
     signal_counter(ctr + 0 * kCounterInts, dbg);
     if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
@@ -510,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     mark(5);
     stage_input<false>(a.attn, nullptr, a.heads * kD, a.eps, sx, red, a.x, H, sres);
     mark(6);
-    gemv_phase<kO>(a, p, proj_of(a, w, kO), sx, sres, ring, full, empty, slot, phase);
+    gemv_phase(kO, a, p, proj_of(a, w, kO), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
     mark(7);
     if (a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
       a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
@@ -519,14 +529,14 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     mark(8);
     stage_input<true>(a.x, w.post_norm, H, a.eps, sx, red);
     mark(9);
-    gemv_phase<kGu>(a, p, proj_of(a, w, kGu), sx, sres, ring, full, empty, slot, phase);
+    gemv_phase(kGu, a, p, proj_of(a, w, kGu), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
     mark(10);
     signal_counter(ctr + 3 * kCounterInts, dbg);
     wait_counter(ctr + 3 * kCounterInts, G, dbg);
     mark(11);
     stage_input<false>(a.act, nullptr, a.intermediate, a.eps, sx, red, a.x, H, sres);
     mark(12);
-    gemv_phase<kDown>(a, p, proj_of(a, w, kDown), sx, sres, ring, full, empty, slot, phase);
+    gemv_phase(kDown, a, p, proj_of(a, w, kDown), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
     mark(13);
     signal_counter(ctr + 4 * kCounterInts, dbg);
   }
