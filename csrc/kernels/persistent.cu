@@ -185,40 +185,59 @@ __device__ __noinline__ void gemv_phase(int P, const PersistentArgs& a, const Pl
       const bool trw = tr && lane == 0 && warp == 1 && P == kO;
       if (trw) tr[29] = now_ns();
       for (int q0 = 0; q0 < npairs; q0 += 4) {
+        // Four work items without branches, so that a chunk's shared-memory loads go out together: up
+        // to four pairs (a fourth repeats the third), or two pairs in two halves of K, or one pair in
+        // four quarters; an item past the last chunk reads a valid one with a zero input.
+        const int rem = npairs - q0, np = rem >= 3 ? 4 : rem, per = (chunks * np + 3) / 4;
+        int ra[4], rb[4], cb[4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int pp = q0 + min(j % np, rem - 1);
+          ra[j] = (P == kGu ? pp : 2 * pp) * K;
+          rb[j] = (P == kGu ? n + pp : min(2 * pp + 1, n - 1)) * K;
+          cb[j] = (j / np) * per;
+        }
         float acc[4][2][4];
         for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
-        if (trw && rep == 1) tr[30] = now_ns();
+          if (trw && rep == 1) tr[30] = now_ns();
 #pragma unroll
-        for (int q = 0; q < 4; ++q)
+          for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int h = 0; h < 2; ++h) acc[q][h][0] = acc[q][h][1] = acc[q][h][2] = acc[q][h][3] = 0.f;
-        for (int c = 0; c < chunks; ++c) {
-          const int e = c * 256 + lane * 8;
-          const uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
+            for (int h = 0; h < 2; ++h) acc[j][h][0] = acc[j][h][1] = acc[j][h][2] = acc[j][h][3] = 0.f;
+#pragma unroll 2
+          for (int c = 0; c < per; ++c) {
 #pragma unroll
-          for (int q = 0; q < 4; ++q) {
-            const int pp = q0 + q;
-            if (pp < npairs) {  // warp-uniform
-              const int ra = P == kGu ? pp : 2 * pp, rb = P == kGu ? n + pp : min(2 * pp + 1, n - 1);
-              const uint4 wa = *reinterpret_cast<const uint4*>(st + (int64_t)ra * K + e);
-              const uint4 wb = *reinterpret_cast<const uint4*>(st + (int64_t)rb * K + e);
-              mma_bf16(acc[q][0], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-              mma_bf16(acc[q][1], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+            for (int j = 0; j < 4; ++j) {
+              const int cc = cb[j] + c, e = min(cc, chunks - 1) * 256 + lane * 8;
+              uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
+              if (cc >= chunks) xv = make_uint4(0, 0, 0, 0);
+              const uint4 wa = *reinterpret_cast<const uint4*>(st + ra[j] + e);
+              const uint4 wb = *reinterpret_cast<const uint4*>(st + rb[j] + e);
+              mma_bf16(acc[j][0], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+              mma_bf16(acc[j][1], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
             }
           }
         }
-        }
         if (trw) tr[31] = now_ns();
+        // Item j's sums belong to pair j % np.
+        float f[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) f[j][e] = acc[j][0][e] + acc[j][1][e];
+        if (np <= 2)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) f[0][e] += f[2][e], f[1][e] += f[3][e];
+        if (np == 1)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) f[0][e] += f[1][e];
         // The diagonal: lane (g, g / 2) holds C[g][g] in d[g & 1] (row A) and C[g+8][g] in d[2 + (g & 1)].
         const bool diag = t == (g >> 1);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
           const int pp = q0 + q;
-          if (pp >= npairs) break;
-          float c4[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) c4[e] = acc[q][0][e] + acc[q][1][e];
-          float va = diag ? ((g & 1) ? c4[1] : c4[0]) : 0.f, vb = diag ? ((g & 1) ? c4[3] : c4[2]) : 0.f;
+          if (q >= min(np, rem)) break;
+          float va = diag ? ((g & 1) ? f[q][1] : f[q][0]) : 0.f, vb = diag ? ((g & 1) ? f[q][3] : f[q][2]) : 0.f;
           for (int o = 16; o > 0; o >>= 1) {
             va += __shfl_xor_sync(0xffffffffu, va, o);
             vb += __shfl_xor_sync(0xffffffffu, vb, o);
@@ -430,48 +449,42 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   }
   if (tid < kGroup) part[kGroup * kD + tid] = stat[tid], part[kGroup * kD + kGroup + tid] = stat[4 + tid];
   compute_sync();
-  if (tid == 0) {
-    __threadfence();
-    const bool last = atomicAdd(ctr + (kCtr + kvh) * kCounterInts, 1) == S - 1;
-    if (last) __threadfence();
-    *flag = last;
+  if (tid == 0) {  // acq_rel: releases this block's partial, acquires the others' for the last
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ctr + (kCtr + kvh) * kCounterInts) : "memory");
+    *flag = old == S - 1;
   }
   compute_sync();
   mark(27);
   if (!*flag) return;
-  // The merge: each split's weight per head first (m and l of all splits in one round of loads), then
-  // every output element's weighted sum with its split loads in flight together.
+  // The merge: thread t < 128 takes 4 elements of head t / 32, with every split's m, l and partial
+  // requested at once (one round trip).
   const float* base = a.ws + (int64_t)kvh * kMaxSplits * kPartial;
-  float* wgt = ssc;  // [kMaxSplits][4]
-  if (tid < kGroup) {
-    const int h = tid;
+  if (tid < kGroup * kD / 4) {
+    const int h = tid / (kD / 4);
     float m[kMaxSplits], ls[kMaxSplits];
+    float4 o[kMaxSplits];
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s) {
-      m[s] = s < S ? __ldcg(base + s * kPartial + kGroup * kD + h) : kNegInf;
-      ls[s] = s < S ? __ldcg(base + s * kPartial + kGroup * kD + kGroup + h) : 0.f;
+      const float* ps = base + s * kPartial;
+      m[s] = s < S ? __ldcg(ps + kGroup * kD + h) : kNegInf;
+      ls[s] = s < S ? __ldcg(ps + kGroup * kD + kGroup + h) : 0.f;
+      o[s] = s < S ? __ldcg(reinterpret_cast<const float4*>(ps) + tid) : make_float4(0.f, 0.f, 0.f, 0.f);
     }
     float M = kNegInf, den = 0.f;
+    float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s) M = fmaxf(M, m[s]);
 #pragma unroll
     for (int s = 0; s < kMaxSplits; ++s) {
-      m[s] = m[s] == kNegInf ? 0.f : exp2f(m[s] - M);
-      den += m[s] * ls[s];
+      const float wgt = m[s] == kNegInf ? 0.f : exp2f(m[s] - M);
+      den += wgt * ls[s];
+      num.x += wgt * o[s].x, num.y += wgt * o[s].y, num.z += wgt * o[s].z, num.w += wgt * o[s].w;
     }
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) wgt[s * kGroup + h] = den > 0.f ? m[s] / den : 0.f;
-  }
-  compute_sync();
-  for (int e = tid; e < kGroup * kD; e += kCThreads) {
-    const int h = e / kD;
-    float o[kMaxSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) o[s] = s < S ? __ldcg(base + s * kPartial + e) : 0.f;
-    float num = 0.f;
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) num += wgt[s * kGroup + h] * o[s];
-    a.attn[(kvh * kGroup + h) * kD + e % kD] = __float2bfloat16(num);
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    __nv_bfloat162 lo = __floats2bfloat162_rn(num.x * inv, num.y * inv), hi = __floats2bfloat162_rn(num.z * inv, num.w * inv);
+    *reinterpret_cast<uint2*>(a.attn + kvh * kGroup * kD + tid * 4) =
+        make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
   }
   signal_counter(ctr + 1 * kCounterInts, a.debug);
   mark(28);
