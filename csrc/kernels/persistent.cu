@@ -171,7 +171,7 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
 // One projection: the block's rows [u0, u1), ring slot by ring slot; warp w takes the slots it owns. A
 // slot's rows go through the MMA diagonal in pairs (gemv.cu, gemv_tc_kernel): lane (g, t) puts row A's
 // 16 bytes per 256-column chunk in MMA row g, row B's in row g + 8, its input elements in B column g.
-__device__ __noinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
+__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
                            const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase,
                            uint64_t* tr) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -204,17 +204,28 @@ __device__ __noinline__ void gemv_phase(int P, const PersistentArgs& a, const Pl
           for (int j = 0; j < 4; ++j)
 #pragma unroll
             for (int h = 0; h < 2; ++h) acc[j][h][0] = acc[j][h][1] = acc[j][h][2] = acc[j][h][3] = 0.f;
-#pragma unroll 2
-          for (int c = 0; c < per; ++c) {
+          // Software-pipelined: chunk c + 1's shared-memory loads go out before chunk c's MMAs (an LDS
+          // feeding the next MMA directly cost its latency each time: ~3 us per 40 KB slot).
+          uint4 xv[4], wa[4], wb[4];
+          auto load = [&](int c) {
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
               const int cc = cb[j] + c, e = min(cc, chunks - 1) * 256 + lane * 8;
-              uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
-              if (cc >= chunks) xv = make_uint4(0, 0, 0, 0);
-              const uint4 wa = *reinterpret_cast<const uint4*>(st + ra[j] + e);
-              const uint4 wb = *reinterpret_cast<const uint4*>(st + rb[j] + e);
-              mma_bf16(acc[j][0], wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
-              mma_bf16(acc[j][1], wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+              xv[j] = *reinterpret_cast<const uint4*>(sx + e);
+              if (cc >= chunks) xv[j] = make_uint4(0, 0, 0, 0);
+              wa[j] = *reinterpret_cast<const uint4*>(st + ra[j] + e);
+              wb[j] = *reinterpret_cast<const uint4*>(st + rb[j] + e);
+            }
+          };
+          load(0);
+          for (int c = 0; c < per; ++c) {
+            const uint4 x0[4] = {xv[0], xv[1], xv[2], xv[3]}, a0[4] = {wa[0], wa[1], wa[2], wa[3]},
+                        b0[4] = {wb[0], wb[1], wb[2], wb[3]};
+            if (c + 1 < per) load(c + 1);
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+              mma_bf16(acc[j][0], a0[j].x, b0[j].x, a0[j].y, b0[j].y, x0[j].x, x0[j].y);
+              mma_bf16(acc[j][1], a0[j].z, b0[j].z, a0[j].w, b0[j].w, x0[j].z, x0[j].w);
             }
           }
         }
@@ -520,38 +531,32 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       if (tr) tr[e] = now_ns();
     };
     mark(0);
-    if (l > 0) wait_counter(ctr - per_layer + 4 * kCounterInts, G, dbg);  // the previous layer's down projection
-    mark(1);
-    stage_input<true>(a.x, w.input_norm, H, a.eps, sx, red);
-    mark(2);
-    gemv_phase(kQkv, a, p, proj_of(a, w, kQkv), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
-    mark(3);
-    signal_counter(ctr + 0 * kCounterInts, dbg);
-    if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
-    mark(4);
-    wait_counter(ctr + 1 * kCounterInts, a.kv_heads, dbg | ((dbg >> 1) & 1));
-    mark(5);
-    stage_input<false>(a.attn, nullptr, a.heads * kD, a.eps, sx, red, a.x, H, sres);
-    mark(6);
-    gemv_phase(kO, a, p, proj_of(a, w, kO), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
-    mark(7);
-    if (a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
-      a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
-    signal_counter(ctr + 2 * kCounterInts, dbg);
-    wait_counter(ctr + 2 * kCounterInts, G, dbg);
-    mark(8);
-    stage_input<true>(a.x, w.post_norm, H, a.eps, sx, red);
-    mark(9);
-    gemv_phase(kGu, a, p, proj_of(a, w, kGu), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
-    mark(10);
-    signal_counter(ctr + 3 * kCounterInts, dbg);
-    wait_counter(ctr + 3 * kCounterInts, G, dbg);
-    mark(11);
-    stage_input<false>(a.act, nullptr, a.intermediate, a.eps, sx, red, a.x, H, sres);
-    mark(12);
-    gemv_phase(kDown, a, p, proj_of(a, w, kDown), sx, sres, ring, full, empty, slot, phase, a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
-    mark(13);
-    signal_counter(ctr + 4 * kCounterInts, dbg);
+    // One call site per phase function, so that each is inlined once: the projections in order, each
+    // waiting for its input (qkv: the previous layer's down; o: the attention merges; gate_up: o; down:
+    // gate_up), staging it (with RMSNorm for qkv and gate_up), streaming its slots and signalling.
+    for (int P = 0; P < kProjs; ++P) {
+      const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
+      if (P == kQkv && l > 0) wait_counter(ctr - per_layer + 4 * kCounterInts, G, dbg);
+      if (P == kO) wait_counter(ctr + 1 * kCounterInts, a.kv_heads, dbg | ((dbg >> 1) & 1));
+      if (P >= kGu) wait_counter(ctr + P * kCounterInts, G, dbg);
+      mark(ev);
+      if (P == kQkv || P == kGu)
+        stage_input<true>(a.x, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
+      else
+        stage_input<false>(P == kO ? a.attn : a.act, nullptr, P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red,
+                           a.x, H, sres);
+      mark(ev + 1);
+      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, ring, full, empty, slot, phase,
+                 a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
+      mark(ev + 2);
+      if (P == kO && a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
+        a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
+      signal_counter(ctr + (P == kQkv ? 0 : P + 1) * kCounterInts, dbg);
+      if (P == kQkv) {
+        if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
+        mark(4);
+      }
+    }
   }
 }
 
