@@ -1,7 +1,7 @@
 #include <algorithm>
 
 #include "launch.cuh"
-#include "mma.cuh"
+#include "mma.cuh"  // mbarriers, bulk copies
 #include "persistent.cuh"
 
 namespace oi {
@@ -168,121 +168,118 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
   compute_sync();
 }
 
-// One projection: the block's rows [u0, u1), ring slot by ring slot; warp w takes the slots it owns. A
-// slot's rows go through the MMA diagonal in pairs (gemv.cu, gemv_tc_kernel): lane (g, t) puts row A's
-// 16 bytes per 256-column chunk in MMA row g, row B's in row g + 8, its input elements in B column g.
-__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx, const float* sres,
-                           const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase,
-                           uint64_t* tr) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+// 8 bf16 (one 16-byte load) to fp32.
+__device__ __forceinline__ void bf16x8(const uint4& v, float (&f)[8]) {
+  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const float2 t = __bfloat1622float2(p[q]);
+    f[2 * q] = t.x, f[2 * q + 1] = t.y;
+  }
+}
+
+// One step of a reduction of 2N of T values per lane across the warp: lanes with bit O of their index set
+// keep the upper N sums, the others the lower N (exchanging the halves they drop with lane ^ O).
+template <int N, int O, int T>
+__device__ __forceinline__ void halve(float (&v)[T], int lane) {
+  const bool up = lane & O;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float send = up ? v[i] : v[i + N], keep = up ? v[i + N] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+  }
+}
+
+// One projection: the block's rows [u0, u1), ring slot by ring slot; warp w takes the slots it owns.
+// A slot holds R <= 8 rows (gate_up: n gate rows, then their n up rows). The warp works on 8 items
+// without branches, so that a chunk's loads go out together: the rows (a padded row repeats the last),
+// or each of R <= 4 rows in 8 / R parts of K (an item past the last chunk reads a valid one with a zero
+// input). Dot products on CUDA cores: the MMA-diagonal form (gemv.cu) ran ~50 cycles per 512 bytes
+// here, with one warp per slot and four per SM.
+__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
+                                           const float* sres, const unsigned char* ring, uint64_t* full, uint64_t* empty,
+                                           int& slot, uint32_t& phase, uint64_t* tr) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
   const int K = pr.K, chunks = K / 256, U = p.units[P];
   for (int u = u0; u < u1; u += U) {
     if (slot == warp) {
-      const int n = min(U, u1 - u), npairs = P == kGu ? n : (n + 1) / 2;
+      const int n = min(U, u1 - u), R = P == kGu ? 2 * n : n;
+      const int np = R >= 5 ? 8 : R >= 3 ? 4 : R, per = (chunks * np + 7) / 8;
       const bf16* st = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
+      int roff[8], cb[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) roff[j] = min(j % np, R - 1) * K, cb[j] = (j / np) * per;
       mbar_wait(&full[slot], phase);
       const bool trw = tr && lane == 0 && warp == 1 && P == kO;
       if (trw) tr[29] = now_ns();
-      for (int q0 = 0; q0 < npairs; q0 += 4) {
-        // Four work items without branches, so that a chunk's shared-memory loads go out together: up
-        // to four pairs (a fourth repeats the third), or two pairs in two halves of K, or one pair in
-        // four quarters; an item past the last chunk reads a valid one with a zero input.
-        const int rem = npairs - q0, np = rem >= 3 ? 4 : rem, per = (chunks * np + 3) / 4;
-        int ra[4], rb[4], cb[4];
+      float acc[8];
+      for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
+        if (trw && rep == 1) tr[30] = now_ns();
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const int pp = q0 + min(j % np, rem - 1);
-          ra[j] = (P == kGu ? pp : 2 * pp) * K;
-          rb[j] = (P == kGu ? n + pp : min(2 * pp + 1, n - 1)) * K;
-          cb[j] = (j / np) * per;
-        }
-        float acc[4][2][4];
-        for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
-          if (trw && rep == 1) tr[30] = now_ns();
+        for (int j = 0; j < 8; ++j) acc[j] = 0.f;
+        if (np == 8) {  // every item on the same chunk: the input converted once
+          for (int c = 0; c < chunks; ++c) {
+            const int e = c * 256 + lane * 8;
+            float xf[8];
+            bf16x8(*reinterpret_cast<const uint4*>(sx + e), xf);
+            uint4 wv[8];
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < 8; ++j) wv[j] = *reinterpret_cast<const uint4*>(st + roff[j] + e);
 #pragma unroll
-            for (int h = 0; h < 2; ++h) acc[j][h][0] = acc[j][h][1] = acc[j][h][2] = acc[j][h][3] = 0.f;
-          // Software-pipelined: chunk c + 1's shared-memory loads go out before chunk c's MMAs (an LDS
-          // feeding the next MMA directly cost its latency each time: ~3 us per 40 KB slot).
-          uint4 xv[4], wa[4], wb[4];
-          auto load = [&](int c) {
+            for (int j = 0; j < 8; ++j) {
+              float wf[8];
+              bf16x8(wv[j], wf);
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              const int cc = cb[j] + c, e = min(cc, chunks - 1) * 256 + lane * 8;
-              xv[j] = *reinterpret_cast<const uint4*>(sx + e);
-              if (cc >= chunks) xv[j] = make_uint4(0, 0, 0, 0);
-              wa[j] = *reinterpret_cast<const uint4*>(st + ra[j] + e);
-              wb[j] = *reinterpret_cast<const uint4*>(st + rb[j] + e);
+              for (int i = 0; i < 8; ++i) acc[j] = fmaf(wf[i], xf[i], acc[j]);
             }
-          };
-          load(0);
+          }
+        } else {
           for (int c = 0; c < per; ++c) {
-            const uint4 x0[4] = {xv[0], xv[1], xv[2], xv[3]}, a0[4] = {wa[0], wa[1], wa[2], wa[3]},
-                        b0[4] = {wb[0], wb[1], wb[2], wb[3]};
-            if (c + 1 < per) load(c + 1);
+            uint4 xv[8], wv[8];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-              mma_bf16(acc[j][0], a0[j].x, b0[j].x, a0[j].y, b0[j].y, x0[j].x, x0[j].y);
-              mma_bf16(acc[j][1], a0[j].z, b0[j].z, a0[j].w, b0[j].w, x0[j].z, x0[j].w);
+            for (int j = 0; j < 8; ++j) {
+              const int cc = cb[j] + c, e = min(cc, chunks - 1) * 256 + lane * 8;
+              xv[j] = cc < chunks ? *reinterpret_cast<const uint4*>(sx + e) : make_uint4(0, 0, 0, 0);
+              wv[j] = *reinterpret_cast<const uint4*>(st + roff[j] + e);
             }
-          }
-        }
-        if (trw) tr[31] = now_ns();
-        // Item j's sums belong to pair j % np.
-        float f[4][4];
 #pragma unroll
-        for (int j = 0; j < 4; ++j)
+            for (int j = 0; j < 8; ++j) {
+              float wf[8], xf[8];
+              bf16x8(wv[j], wf);
+              bf16x8(xv[j], xf);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) f[j][e] = acc[j][0][e] + acc[j][1][e];
-        if (np <= 2)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) f[0][e] += f[2][e], f[1][e] += f[3][e];
-        if (np == 1)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) f[0][e] += f[1][e];
-        // The diagonal: lane (g, g / 2) holds C[g][g] in d[g & 1] (row A) and C[g+8][g] in d[2 + (g & 1)].
-        const bool diag = t == (g >> 1);
-#pragma unroll
-        for (int q = 0; q < 4; ++q) {
-          const int pp = q0 + q;
-          if (q >= min(np, rem)) break;
-          float va = diag ? ((g & 1) ? f[q][1] : f[q][0]) : 0.f, vb = diag ? ((g & 1) ? f[q][3] : f[q][2]) : 0.f;
-          for (int o = 16; o > 0; o >>= 1) {
-            va += __shfl_xor_sync(0xffffffffu, va, o);
-            vb += __shfl_xor_sync(0xffffffffu, vb, o);
-          }
-          if (lane == 0) {
-            if (P == kGu) {
-              a.act[u + pp] = __float2bfloat16(silu(bf16r(va)) * bf16r(vb));
-            } else if (P == kQkv) {
-              a.qkv[u + 2 * pp] = __float2bfloat16(va);
-              if (2 * pp + 1 < n) a.qkv[u + 2 * pp + 1] = __float2bfloat16(vb);
-            } else {  // o, down: the residual add (x's rows staged with the input)
-              const int i = u - u0 + 2 * pp;
-              a.x[u0 + i] = __float2bfloat16(va + sres[i]);
-              if (2 * pp + 1 < n) a.x[u0 + i + 1] = __float2bfloat16(vb + sres[i + 1]);
+              for (int i = 0; i < 8; ++i) acc[j] = fmaf(wf[i], xf[i], acc[j]);
             }
           }
         }
       }
+      if (trw) tr[31] = now_ns();
       __syncwarp();
       if (lane == 0) mbar_arrive(&empty[slot]);  // the copy warp may refill it
+      // Lane l ends with item (l >> 2) & 7 summed over the warp; the K parts of a row then fold in.
+      halve<4, 16, 8>(acc, lane);
+      halve<2, 8, 8>(acc, lane);
+      halve<1, 4, 8>(acc, lane);
+      float v = acc[0];
+      v += __shfl_xor_sync(0xffffffffu, v, 2);
+      v += __shfl_xor_sync(0xffffffffu, v, 1);
+      if (np <= 4) v += __shfl_xor_sync(0xffffffffu, v, 16);
+      if (np <= 2) v += __shfl_xor_sync(0xffffffffu, v, 8);
+      if (np == 1) v += __shfl_xor_sync(0xffffffffu, v, 4);
+      const int r = (lane >> 2) & 7;  // this lane's row of the slot
+      const float up = __shfl_sync(0xffffffffu, v, ((r + n) & 7) << 2);  // gate_up: row r's up row
+      if ((lane & 3) == 0 && r < min(np, R)) {
+        if (P == kGu) {
+          if (r < n) a.act[u + r] = __float2bfloat16(silu(bf16r(v)) * bf16r(up));
+        } else if (P == kQkv) {
+          a.qkv[u + r] = __float2bfloat16(v);
+        } else {  // o, down: the residual add (x's rows staged with the input)
+          a.x[u + r] = __float2bfloat16(v + sres[u - u0 + r]);
+        }
+      }
     }
     if (++slot == p.slots) slot = 0, phase ^= 1;
-  }
-}
-
-// One step of a reduction of 2N values per lane across the warp: lanes with bit N/2 of their index set
-// keep the upper N sums, the others the lower N (exchanging the halves they drop with lane ^ (N / 2)).
-template <int N>
-__device__ __forceinline__ void halve(float (&v)[64], int lane) {
-  const bool up = lane & (N / 2);
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float send = up ? v[i] : v[i + N], keep = up ? v[i + N] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, N / 2);
   }
 }
 
@@ -386,11 +383,11 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
     }
-    halve<32>(v, lane);
-    halve<16>(v, lane);
-    halve<8>(v, lane);
-    halve<4>(v, lane);
-    halve<2>(v, lane);
+    halve<32, 16, 64>(v, lane);
+    halve<16, 8, 64>(v, lane);
+    halve<8, 4, 64>(v, lane);
+    halve<4, 2, 64>(v, lane);
+    halve<2, 1, 64>(v, lane);
     {
       const int r = lane >> 1, h0 = 2 * (lane & 1);
       const bool ok = kb + r < k1;
@@ -584,7 +581,7 @@ Plan make_plan(int H, int I, int heads) {
     int least = sb;
     Plan p{slots, sb, x_bytes, 128 + x_bytes + slots * sb, {}};
     for (int P = 0; P < kProjs; ++P) {
-      p.units[P] = sb / unit[P];
+      p.units[P] = std::min(sb / unit[P], P == kGu ? 4 : 8);  // at most 8 rows per slot (gemv_phase)
       least = std::min(least, p.units[P] * unit[P]);
     }
     if (least * slots > best_cap) best_cap = least * slots, best = p;
