@@ -7,14 +7,16 @@
 namespace oi {
 namespace {
 
-constexpr int kSlots = 6;                   // most ring slots; compute warp w owns slot w
-constexpr int kThreads = (kSlots + 1) * 32;  // the compute warps, then the copy warp
-constexpr int kCThreads = kSlots * 32;       // compute threads (named barrier 1)
+constexpr int kSlots = 6;                    // most ring slots
+constexpr int kHalves = 2;                   // compute warps per slot: w and w + kSlots own slot w
+constexpr int kCWarps = kSlots * kHalves;
+constexpr int kThreads = (kCWarps + 1) * 32;  // the compute warps, then the copy warp
+constexpr int kCThreads = kCWarps * 32;       // compute threads (named barrier 1; 2 + s: slot s's pair)
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
-constexpr int kKeysPerWarp = 16;             // keys a warp holds in registers per chunk
-constexpr int kChunk = kSlots * kKeysPerWarp;
+constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
+constexpr int kChunk = kCWarps * kKeysPerWarp;
 constexpr int kMinSplitKeys = 64;
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
@@ -58,34 +60,53 @@ __device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeig
   return {w.down, a.hidden, a.intermediate};
 }
 
-// The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them.
+// The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. Each
+// stage issued into the ring also asks L2 for the stage one ring later (debug bit 5: not), so the HBM
+// stream runs a second ring's worth ahead while the compute warps wait on a dependency.
 __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
   const uint64_t policy = l2_evict_first();
+  int base[kProjs + 1], u0[kProjs];
+  base[0] = 0;
+  for (int P = 0; P < kProjs; ++P) {  // a block's stages per layer (the same in every layer)
+    const Proj pr = proj_of(a, a.layers[0], P);
+    u0[P] = range_begin(pr.units, blockIdx.x, gridDim.x);
+    const int n = range_begin(pr.units, blockIdx.x + 1, gridDim.x) - u0[P];
+    base[P + 1] = base[P] + (n + p.units[P] - 1) / p.units[P];
+  }
+  const int per_layer = base[kProjs], total = per_layer * a.num_layers;
+  // Stage i: its source rows (gate_up: and the matching up rows) and bytes per copy.
+  auto stage = [&](int i, const bf16*& src, const bf16*& src2, uint32_t& bytes, int& P) {
+    const int l = i / per_layer;
+    int r = i - l * per_layer;
+    P = 0;
+    while (r >= base[P + 1]) ++P;
+    const Proj pr = proj_of(a, a.layers[l], P);
+    const int u = u0[P] + (r - base[P]) * p.units[P];
+    const int n = min(p.units[P], range_begin(pr.units, blockIdx.x + 1, gridDim.x) - u);
+    bytes = (uint32_t)n * pr.K * 2;
+    src = pr.W + (int64_t)u * pr.K;
+    src2 = P == kGu ? pr.W + ((int64_t)pr.units + u) * pr.K : nullptr;
+  };
   int slot = 0;
   uint32_t phase = 0;
-  for (int l = 0; l < a.num_layers; ++l) {
-    const LayerWeights w = a.layers[l];
-    for (int P = 0; P < kProjs; ++P) {
-      const Proj pr = proj_of(a, w, P);
-      const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
-      const uint32_t row_bytes = pr.K * 2;
-      for (int u = u0; u < u1; u += p.units[P]) {
-        const uint32_t bytes = min(p.units[P], u1 - u) * row_bytes;
-        mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
-          a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
-        unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
-        if (P == kGu) {
-          mbar_expect_tx(&full[slot], 2 * bytes);
-          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
-          bulk_load(dst + bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
-        } else {
-          mbar_expect_tx(&full[slot], bytes);
-          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
-        }
-        if (++slot == p.slots) slot = 0, phase ^= 1;
-      }
+  for (int i = 0; i < total; ++i) {
+    const bf16 *src, *src2;
+    uint32_t bytes;
+    int P;
+    stage(i, src, src2, bytes, P);
+    mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
+    if (a.trace && i / per_layer == kPersistentTraceLayer && (i % per_layer == base[kQkv] || i % per_layer == base[kGu]))
+      a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
+    unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
+    mbar_expect_tx(&full[slot], src2 ? 2 * bytes : bytes);
+    bulk_load(dst, src, bytes, &full[slot], policy);
+    if (src2) bulk_load(dst + bytes, src2, bytes, &full[slot], policy);
+    if (!(a.debug & 32) && i + p.slots < total) {
+      stage(i + p.slots, src, src2, bytes, P);
+      bulk_prefetch_l2(src, bytes);
+      if (src2) bulk_prefetch_l2(src2, bytes);
     }
+    if (++slot == p.slots) slot = 0, phase ^= 1;
   }
 }
 
@@ -149,7 +170,7 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
     compute_sync();
     float tot = 0.f;
 #pragma unroll
-    for (int w = 0; w < kSlots; ++w) tot += red[w];
+    for (int w = 0; w < kCWarps; ++w) tot += red[w];
     const float rstd = rsqrtf(tot / K + eps);
     for (int k = tid * 8; k < K; k += kCThreads * 8) {
       const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + k));
@@ -190,7 +211,9 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
   }
 }
 
-// One projection: the block's rows [u0, u1), ring slot by ring slot; warp w takes the slots it owns.
+// One projection: the block's rows [u0, u1), ring slot by ring slot; warps s and s + kSlots take slot
+// s, each half of the chunks, and the second hands its sums to the first (xch, double-buffered by the
+// slot's phase so that a write never meets the previous read).
 // A slot holds R <= 8 rows (gate_up: n gate rows, then their n up rows). The warp works on 8 items
 // without branches, so that a chunk's loads go out together: the rows (a padded row repeats the last),
 // or each of R <= 4 rows in 8 / R parts of K (an item past the last chunk reads a valid one with a zero
@@ -198,12 +221,12 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
 // here, with one warp per slot and four per SM.
 __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
                                            const float* sres, const unsigned char* ring, uint64_t* full, uint64_t* empty,
-                                           int& slot, uint32_t& phase, uint64_t* tr) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+                                           int& slot, uint32_t& phase, float* xch, uint64_t* tr) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = warp / kSlots;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
   const int K = pr.K, chunks = K / 256, U = p.units[P];
   for (int u = u0; u < u1; u += U) {
-    if (slot == warp) {
+    if (slot == warp % kSlots) {
       const int n = min(U, u1 - u), R = P == kGu ? 2 * n : n;
       const int np = R >= 5 ? 8 : R >= 3 ? 4 : R, per = (chunks * np + 7) / 8;
       const bf16* st = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
@@ -212,6 +235,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
       for (int j = 0; j < 8; ++j) roff[j] = min(j % np, R - 1) * K, cb[j] = (j / np) * per;
       mbar_wait(&full[slot], phase);
       const bool trw = tr && lane == 0 && warp == 1 && P == kO;
+      const int c_lo = half * (np == 8 ? chunks : per) / kHalves, c_hi = (half + 1) * (np == 8 ? chunks : per) / kHalves;
       if (trw) tr[29] = now_ns();
       float acc[8];
       for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
@@ -219,7 +243,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[j] = 0.f;
         if (np == 8) {  // every item on the same chunk: the input converted once
-          for (int c = 0; c < chunks; ++c) {
+          for (int c = c_lo; c < c_hi; ++c) {
             const int e = c * 256 + lane * 8;
             float xf[8];
             bf16x8(*reinterpret_cast<const uint4*>(sx + e), xf);
@@ -235,7 +259,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
             }
           }
         } else {
-          for (int c = 0; c < per; ++c) {
+          for (int c = c_lo; c < c_hi; ++c) {
             uint4 xv[8], wv[8];
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
@@ -267,6 +291,11 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
       if (np <= 4) v += __shfl_xor_sync(0xffffffffu, v, 16);
       if (np <= 2) v += __shfl_xor_sync(0xffffffffu, v, 8);
       if (np == 1) v += __shfl_xor_sync(0xffffffffu, v, 4);
+      float* xs = xch + (phase * kSlots + slot) * 32;
+      if (half) xs[lane] = v;
+      asm volatile("bar.sync %0, %1;\n" ::"r"(2 + slot), "n"(2 * 32) : "memory");
+      if (!half) {  // the first warp of the pair writes the slot's outputs
+      v += xs[lane];
       const int r = (lane >> 2) & 7;  // this lane's row of the slot
       const float up = __shfl_sync(0xffffffffu, v, ((r + n) & 7) << 2);  // gate_up: row r's up row
       if ((lane & 3) == 0 && r < min(np, R)) {
@@ -277,6 +306,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
         } else {  // o, down: the residual add (x's rows staged with the input)
           a.x[u + r] = __float2bfloat16(v + sres[u - u0 + r]);
         }
+      }
       }
     }
     if (++slot == p.slots) slot = 0, phase ^= 1;
@@ -339,7 +369,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   if (warp < kGroup) {
     const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(a.qkv + (kvh * kGroup + warp) * kD + lane * 4));
     put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
-  } else if (k1 == L) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
+  } else if (warp < kGroup + 2 && k1 == L) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
     const uint2 raw =
         __ldcg(reinterpret_cast<const uint2*>(a.qkv + (a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4));
@@ -373,8 +403,8 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   for (int c0 = k0; c0 < k1; c0 += kChunk) {
     if (c0 != k0) load_chunk(c0);
     const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
-    // 16 keys x 4 heads partial dot products, summed across lanes by recursive halving (62 shuffles):
-    // lane l ends with index 2l + j, i.e. key l / 2 and head 2 (l & 1) + j.
+    // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
+    // lane l ends with index l, i.e. key l / 4 and head l % 4.
     float v[kKeysPerWarp * kGroup];
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
@@ -383,16 +413,14 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
     }
-    halve<32, 16, 64>(v, lane);
-    halve<16, 8, 64>(v, lane);
-    halve<8, 4, 64>(v, lane);
-    halve<4, 2, 64>(v, lane);
-    halve<2, 1, 64>(v, lane);
+    halve<16, 16, kKeysPerWarp * kGroup>(v, lane);
+    halve<8, 8, kKeysPerWarp * kGroup>(v, lane);
+    halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
+    halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
+    halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
     {
-      const int r = lane >> 1, h0 = 2 * (lane & 1);
-      const bool ok = kb + r < k1;
-      ssc[h0 * kChunk + warp * kKeysPerWarp + r] = ok ? v[0] * scale_log2 : kNegInf;
-      ssc[(h0 + 1) * kChunk + warp * kKeysPerWarp + r] = ok ? v[1] * scale_log2 : kNegInf;
+      const int r = lane >> 2, h = lane & 3;
+      ssc[h * kChunk + warp * kKeysPerWarp + r] = kb + r < k1 ? v[0] * scale_log2 : kNegInf;
     }
     compute_sync();
     mark(24);
@@ -446,7 +474,17 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   // This split's partial: the warps' P.V summed, with m and l.
 #pragma unroll
   for (int h = 0; h < kGroup; ++h)
-    *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+    if (warp >= kSlots)  // two rounds: the second half of the warps stores, the first adds
+      *reinterpret_cast<float4*>(sacc + ((warp - kSlots) * kGroup + h) * kD + lane * 4) =
+          make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+  compute_sync();
+#pragma unroll
+  for (int h = 0; h < kGroup; ++h)
+    if (warp < kSlots) {
+      float4* d = reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4);
+      const float4 o = *d;
+      *d = make_float4(o.x + acc[h][0], o.y + acc[h][1], o.z + acc[h][2], o.w + acc[h][3]);
+    }
   compute_sync();
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
@@ -504,11 +542,12 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   uint64_t* empty = full + kSlots;
   bf16* sx = reinterpret_cast<bf16*>(smem + 128);  // staged input, or the attention scratch
   unsigned char* ring = smem + 128 + p.x_bytes;
-  __shared__ float red[kSlots];
+  __shared__ float red[kCWarps];
+  __shared__ float xch[2 * kSlots * 32];  // gemv_phase: [phase][slot][lane]
   __shared__ float sres[kMaxRowsPerBlock];
   __shared__ int flag;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], 1);
+    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kHalves);
     mbar_init_fence();
   }
   __syncthreads();
@@ -543,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
         stage_input<false>(P == kO ? a.attn : a.act, nullptr, P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red,
                            a.x, H, sres);
       mark(ev + 1);
-      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, ring, full, empty, slot, phase,
+      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, ring, full, empty, slot, phase, xch,
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
       mark(ev + 2);
       if (P == kO && a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
