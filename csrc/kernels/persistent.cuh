@@ -4,7 +4,10 @@
 // the block's share of every weight matrix, layer after layer, into a ring of shared-memory slots with
 // bulk copies, bounded only by the ring; the weights depend on nothing, so they keep arriving while the
 // compute warps wait for a projection's input (a counter in global memory per layer and phase) or run
-// attention. Batch 1 only: the GEMVs use the MMA diagonal trick of the fused GEMV (gemv.cu).
+// attention. Batch 1 only.
+// STATUS (branch only): slower than the kernel-per-operation path (docs/benchmarks.md on main, "every
+// layer in one persistent kernel"); v1 (04520c6) passed its GPU tests, this v2 failed one of them (the
+// run stopped at the first failure, case not identified).
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
