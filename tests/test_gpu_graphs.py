@@ -195,6 +195,7 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
         ids = np.random.default_rng(k).integers(0, 151643, B).astype(np.int32)
         steps.append((ids, p, qsl, ctx + k, bt.copy(), slots, *args[6:]))
     outs = []
+    _engine.ops.persistent_decode(0)  # batch 1: the decode bucket's kernels, not the persistent kernel
     for fused in (True, False):
         _engine.ops.attention_fuse_rope(fused)
         _engine.ops.attention_key_warps(kernel == "key warps")  # one warp: one-warp blocks and clusters
@@ -205,6 +206,7 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
             _engine.ops.attention_fuse_rope(True)
             _engine.ops.attention_key_warps(1)
             _engine.ops.attention_cluster_cap(0)
+    _engine.ops.persistent_decode(1)
     for f, u in zip(*outs):
         np.testing.assert_array_equal(f.tokens, u.tokens)
         np.testing.assert_array_equal(f.logprobs, u.logprobs)

@@ -7,23 +7,23 @@
 namespace oi {
 namespace {
 
-constexpr int kSlots = 6;                    // most ring slots
-constexpr int kHalves = 2;                   // compute warps per slot: w and w + kSlots own slot w
-constexpr int kCWarps = kSlots * kHalves;
-constexpr int kThreads = (kCWarps + 1) * 32;  // the compute warps, then the copy warp
-constexpr int kCThreads = kCWarps * 32;       // compute threads (named barrier 1; 2 + s: slot s's pair)
+constexpr int kCW = 8;                      // compute warps: all of them consume every ring slot
+constexpr int kMaxSlots = 8;                 // most ring slots
+constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
+constexpr int kCThreads = kCW * 32;          // compute threads (named barrier 1)
+constexpr int kRed = 1024;                   // per-warp partial sums of one projection's rows in a block
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
-constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
-constexpr int kChunk = kCWarps * kKeysPerWarp;
+constexpr int kKeysPerWarp = 16;             // keys a warp holds in registers per chunk
+constexpr int kChunk = kCW * kKeysPerWarp;
 constexpr int kMinSplitKeys = 64;
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
 // Attention scratch (floats), aliased with the staged GEMV input: q [4][128], scores [4][kChunk], running
-// m / l / rescale [3][4] (+4 pad), the new token's k and v [2][128], per-warp P.V sums [kSlots][4][128].
-constexpr int kScratchFloats = kGroup * kD + kGroup * kChunk + 16 + 2 * kD + kSlots * kGroup * kD;
+// m / l / rescale [3][4] (+4 pad), the new token's k and v [2][128], per-warp P.V sums [kCW][4][128].
+constexpr int kScratchFloats = kGroup * kD + kGroup * kChunk + 16 + 2 * kD + kCW * kGroup * kD;
 enum { kQkv, kO, kGu, kDown, kProjs };
 // Counters per layer: qkv done (blocks), attention merged (KV heads), o done, gate_up done, down done
 // (blocks), then one split-arrival counter per KV head.
@@ -31,7 +31,8 @@ constexpr int kCtr = 5;
 
 struct Plan {
   int slots, slot_bytes, x_bytes, smem;
-  int units[kProjs];  // rows (gate_up: gate/up row pairs) per ring slot
+  int pairs[kProjs];  // row pairs per ring slot (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
@@ -60,53 +61,42 @@ __device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeig
   return {w.down, a.hidden, a.intermediate};
 }
 
-// The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. Each
-// stage issued into the ring also asks L2 for the stage one ring later (debug bit 5: not), so the HBM
-// stream runs a second ring's worth ahead while the compute warps wait on a dependency.
+// The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
+// is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
+// up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
+// has landed, so that fewer bytes queue in the memory system ahead of the counters and input reads.
 __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
   const uint64_t policy = l2_evict_first();
-  int base[kProjs + 1], u0[kProjs];
-  base[0] = 0;
-  for (int P = 0; P < kProjs; ++P) {  // a block's stages per layer (the same in every layer)
-    const Proj pr = proj_of(a, a.layers[0], P);
-    u0[P] = range_begin(pr.units, blockIdx.x, gridDim.x);
-    const int n = range_begin(pr.units, blockIdx.x + 1, gridDim.x) - u0[P];
-    base[P + 1] = base[P] + (n + p.units[P] - 1) / p.units[P];
-  }
-  const int per_layer = base[kProjs], total = per_layer * a.num_layers;
-  // Stage i: its source rows (gate_up: and the matching up rows) and bytes per copy.
-  auto stage = [&](int i, const bf16*& src, const bf16*& src2, uint32_t& bytes, int& P) {
-    const int l = i / per_layer;
-    int r = i - l * per_layer;
-    P = 0;
-    while (r >= base[P + 1]) ++P;
-    const Proj pr = proj_of(a, a.layers[l], P);
-    const int u = u0[P] + (r - base[P]) * p.units[P];
-    const int n = min(p.units[P], range_begin(pr.units, blockIdx.x + 1, gridDim.x) - u);
-    bytes = (uint32_t)n * pr.K * 2;
-    src = pr.W + (int64_t)u * pr.K;
-    src2 = P == kGu ? pr.W + ((int64_t)pr.units + u) * pr.K : nullptr;
-  };
-  int slot = 0;
+  int slot = 0, k = 0;
   uint32_t phase = 0;
-  for (int i = 0; i < total; ++i) {
-    const bf16 *src, *src2;
-    uint32_t bytes;
-    int P;
-    stage(i, src, src2, bytes, P);
-    mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-    if (a.trace && i / per_layer == kPersistentTraceLayer && (i % per_layer == base[kQkv] || i % per_layer == base[kGu]))
-      a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
-    unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
-    mbar_expect_tx(&full[slot], src2 ? 2 * bytes : bytes);
-    bulk_load(dst, src, bytes, &full[slot], policy);
-    if (src2) bulk_load(dst + bytes, src2, bytes, &full[slot], policy);
-    if (!(a.debug & 32) && i + p.slots < total) {
-      stage(i + p.slots, src, src2, bytes, P);
-      bulk_prefetch_l2(src, bytes);
-      if (src2) bulk_prefetch_l2(src2, bytes);
+  for (int l = 0; l < a.num_layers; ++l) {
+    const LayerWeights w = a.layers[l];
+    for (int P = 0; P < kProjs; ++P) {
+      const Proj pr = proj_of(a, w, P);
+      const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+      const uint32_t row_bytes = pr.K * 2;
+      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
+      for (int u = u0; u < u1; u += U, ++k) {
+        const uint32_t bytes = min(U, u1 - u) * row_bytes;
+        mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
+        if (p.inflight > 0 && k >= p.inflight) {
+          const int e = k - p.inflight;
+          mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
+        }
+        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
+          a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
+        unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
+        if (P == kGu) {
+          mbar_expect_tx(&full[slot], 2 * bytes);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
+          bulk_load(dst + (size_t)U * row_bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
+        } else {
+          mbar_expect_tx(&full[slot], bytes);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
+        }
+        if (++slot == p.slots) slot = 0, phase ^= 1;
+      }
     }
-    if (++slot == p.slots) slot = 0, phase ^= 1;
   }
 }
 
@@ -170,7 +160,7 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
     compute_sync();
     float tot = 0.f;
 #pragma unroll
-    for (int w = 0; w < kCWarps; ++w) tot += red[w];
+    for (int w = 0; w < kCW; ++w) tot += red[w];
     const float rstd = rsqrtf(tot / K + eps);
     for (int k = tid * 8; k < K; k += kCThreads * 8) {
       const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + k));
@@ -211,105 +201,70 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
   }
 }
 
-// One projection: the block's rows [u0, u1), ring slot by ring slot; warps s and s + kSlots take slot
-// s, each half of the chunks, and the second hands its sums to the first (xch, double-buffered by the
-// slot's phase so that a write never meets the previous read).
-// A slot holds R <= 8 rows (gate_up: n gate rows, then their n up rows). The warp works on 8 items
-// without branches, so that a chunk's loads go out together: the rows (a padded row repeats the last),
-// or each of R <= 4 rows in 8 / R parts of K (an item past the last chunk reads a valid one with a zero
-// input). Dot products on CUDA cores: the MMA-diagonal form (gemv.cu) ran ~50 cycles per 512 bytes
-// here, with one warp per slot and four per SM.
+// One projection: the block's rows [u0, u1), ring stage by ring stage, every compute warp on every stage.
+// Warp w takes row pair j = w / parts of the stage over chunks [s, s + 1) * chunks / parts of K (s = w %
+// parts), with the dot products on the tensor cores as in gemv.cu (the MMA diagonal: lane (g, t) puts its
+// 16 bytes of row A in MMA row g and of row B in row g + 8, its input elements in B column g). Each warp's
+// two sums per stage go to shared memory; after the last stage the block adds the parts in order
+// (deterministic) and writes the outputs.
 __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
-                                           const float* sres, const unsigned char* ring, uint64_t* full, uint64_t* empty,
-                                           int& slot, uint32_t& phase, float* xch, uint64_t* tr) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, half = warp / kSlots;
+                                           const float* sres, float* red, const unsigned char* ring, uint64_t* full,
+                                           uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
-  const int K = pr.K, chunks = K / 256, U = p.units[P];
-  for (int u = u0; u < u1; u += U) {
-    if (slot == warp % kSlots) {
-      const int n = min(U, u1 - u), R = P == kGu ? 2 * n : n;
-      const int np = R >= 5 ? 8 : R >= 3 ? 4 : R, per = (chunks * np + 7) / 8;
-      const bf16* st = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
-      int roff[8], cb[8];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) roff[j] = min(j % np, R - 1) * K, cb[j] = (j / np) * per;
-      mbar_wait(&full[slot], phase);
-      const bool trw = tr && lane == 0 && warp == 1 && P == kO;
-      const int c_lo = half * (np == 8 ? chunks : per) / kHalves, c_hi = (half + 1) * (np == 8 ? chunks : per) / kHalves;
-      if (trw) tr[29] = now_ns();
-      float acc[8];
-      for (int rep = 0; rep < ((a.debug & 16) ? 2 : 1); ++rep) {  // profiling: twice, the second warm
-        if (trw && rep == 1) tr[30] = now_ns();
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[j] = 0.f;
-        if (np == 8) {  // every item on the same chunk: the input converted once
-          for (int c = c_lo; c < c_hi; ++c) {
-            const int e = c * 256 + lane * 8;
-            float xf[8];
-            bf16x8(*reinterpret_cast<const uint4*>(sx + e), xf);
-            uint4 wv[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) wv[j] = *reinterpret_cast<const uint4*>(st + roff[j] + e);
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              float wf[8];
-              bf16x8(wv[j], wf);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[j] = fmaf(wf[i], xf[i], acc[j]);
-            }
-          }
-        } else {
-          for (int c = c_lo; c < c_hi; ++c) {
-            uint4 xv[8], wv[8];
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              const int cc = cb[j] + c, e = min(cc, chunks - 1) * 256 + lane * 8;
-              xv[j] = cc < chunks ? *reinterpret_cast<const uint4*>(sx + e) : make_uint4(0, 0, 0, 0);
-              wv[j] = *reinterpret_cast<const uint4*>(st + roff[j] + e);
-            }
-#pragma unroll
-            for (int j = 0; j < 8; ++j) {
-              float wf[8], xf[8];
-              bf16x8(wv[j], wf);
-              bf16x8(xv[j], xf);
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[j] = fmaf(wf[i], xf[i], acc[j]);
-            }
-          }
-        }
-      }
-      if (trw) tr[31] = now_ns();
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);  // the copy warp may refill it
-      // Lane l ends with item (l >> 2) & 7 summed over the warp; the K parts of a row then fold in.
-      halve<4, 16, 8>(acc, lane);
-      halve<2, 8, 8>(acc, lane);
-      halve<1, 4, 8>(acc, lane);
-      float v = acc[0];
-      v += __shfl_xor_sync(0xffffffffu, v, 2);
-      v += __shfl_xor_sync(0xffffffffu, v, 1);
-      if (np <= 4) v += __shfl_xor_sync(0xffffffffu, v, 16);
-      if (np <= 2) v += __shfl_xor_sync(0xffffffffu, v, 8);
-      if (np == 1) v += __shfl_xor_sync(0xffffffffu, v, 4);
-      float* xs = xch + (phase * kSlots + slot) * 32;
-      if (half) xs[lane] = v;
-      asm volatile("bar.sync %0, %1;\n" ::"r"(2 + slot), "n"(2 * 32) : "memory");
-      if (!half) {  // the first warp of the pair writes the slot's outputs
-      v += xs[lane];
-      const int r = (lane >> 2) & 7;  // this lane's row of the slot
-      const float up = __shfl_sync(0xffffffffu, v, ((r + n) & 7) << 2);  // gate_up: row r's up row
-      if ((lane & 3) == 0 && r < min(np, R)) {
-        if (P == kGu) {
-          if (r < n) a.act[u + r] = __float2bfloat16(silu(bf16r(v)) * bf16r(up));
-        } else if (P == kQkv) {
-          a.qkv[u + r] = __float2bfloat16(v);
-        } else {  // o, down: the residual add (x's rows staged with the input)
-          a.x[u + r] = __float2bfloat16(v + sres[u - u0 + r]);
-        }
-      }
-      }
+  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs;
+  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per stage
+  const int j = warp / parts, sp = warp % parts;
+  const int c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;
+  const int offA = (P == kGu ? j : 2 * j) * K, offB = (P == kGu ? pairs + j : 2 * j + 1) * K;
+  const bool trw = tr && lane == 0 && warp == 1 && P == kO;
+  const bool diag = t == (g >> 1);
+  int st = 0;
+  for (int u = u0; u < u1; u += U, ++st) {
+    const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
+    mbar_wait(&full[slot], phase);
+    if (trw && st == 0) tr[29] = now_ns();
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of MMAs
+#pragma unroll 4
+    for (int c = c0; c < c1; ++c) {
+      const int e = c * 256 + lane * 8;
+      const uint4 wa = *reinterpret_cast<const uint4*>(sw + offA + e);
+      const uint4 wb = *reinterpret_cast<const uint4*>(sw + offB + e);
+      const uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
+      mma_bf16(d0, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+      mma_bf16(d1, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every warp's loads are done: the copy warp may refill it
     if (++slot == p.slots) slot = 0, phase ^= 1;
+    // The diagonal: lane (g, g / 2) holds C[g][g] (row A) in d[g & 1] and C[g + 8][g] (row B) in d[2 + (g & 1)].
+    float va = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
+    float vb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      va += __shfl_xor_sync(0xffffffffu, va, o);
+      vb += __shfl_xor_sync(0xffffffffu, vb, o);
+    }
+    if (lane == 0) *reinterpret_cast<float2*>(red + ((st * pairs + j) * parts + sp) * 2) = make_float2(va, vb);
+    if (trw) tr[31] = now_ns();
+  }
+  compute_sync();
+  // One thread per output: the parts summed in order.
+  const int n = u1 - u0;
+  for (int q = tid; q < n; q += kCThreads) {
+    const int s0 = q / U, r = q % U;
+    const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
+    const float* rp = red + ((s0 * pairs + jj) * parts) * 2;
+    float v = 0.f, up = 0.f;
+    for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+    const int row = u0 + q;
+    if (P == kGu) {
+      a.act[row] = __float2bfloat16(silu(bf16r(v)) * bf16r(up));
+    } else if (P == kQkv) {
+      a.qkv[row] = __float2bfloat16(v);
+    } else {  // o, down: the residual add (x's rows staged with the input)
+      a.x[row] = __float2bfloat16(v + sres[q]);
+    }
   }
 }
 
@@ -358,7 +313,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   float* ssc = sq + kGroup * kD;      // [4][kChunk]
   float* stat = ssc + kGroup * kChunk;  // m [4], l [4], rescale [4]
   float* snew = stat + 16;            // k [128], v [128]
-  float* sacc = snew + 2 * kD;        // [kSlots][4][128]
+  float* sacc = snew + 2 * kD;        // [kCW][4][128]
   const float2* cs = a.cos_sin + (int64_t)pos * (kD / 2);
   auto put4 = [&](float* dst, uint2 r) {
     const float2 x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
@@ -369,7 +324,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   if (warp < kGroup) {
     const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(a.qkv + (kvh * kGroup + warp) * kD + lane * 4));
     put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
-  } else if (warp < kGroup + 2 && k1 == L) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
+  } else if (k1 == L) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
     const uint2 raw =
         __ldcg(reinterpret_cast<const uint2*>(a.qkv + (a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4));
@@ -403,8 +358,8 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   for (int c0 = k0; c0 < k1; c0 += kChunk) {
     if (c0 != k0) load_chunk(c0);
     const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
-    // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
-    // lane l ends with index l, i.e. key l / 4 and head l % 4.
+    // 16 keys x 4 heads partial dot products, summed across lanes by recursive halving (62 shuffles):
+    // lane l ends with index 2l + j, i.e. key l / 2 and head 2 (l & 1) + j.
     float v[kKeysPerWarp * kGroup];
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
@@ -413,14 +368,16 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
     }
-    halve<16, 16, kKeysPerWarp * kGroup>(v, lane);
-    halve<8, 8, kKeysPerWarp * kGroup>(v, lane);
-    halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
-    halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
-    halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
+    halve<32, 16, 64>(v, lane);
+    halve<16, 8, 64>(v, lane);
+    halve<8, 4, 64>(v, lane);
+    halve<4, 2, 64>(v, lane);
+    halve<2, 1, 64>(v, lane);
     {
-      const int r = lane >> 2, h = lane & 3;
-      ssc[h * kChunk + warp * kKeysPerWarp + r] = kb + r < k1 ? v[0] * scale_log2 : kNegInf;
+      const int r = lane >> 1, h0 = 2 * (lane & 1);
+      const bool ok = kb + r < k1;
+      ssc[h0 * kChunk + warp * kKeysPerWarp + r] = ok ? v[0] * scale_log2 : kNegInf;
+      ssc[(h0 + 1) * kChunk + warp * kKeysPerWarp + r] = ok ? v[1] * scale_log2 : kNegInf;
     }
     compute_sync();
     mark(24);
@@ -474,23 +431,13 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   // This split's partial: the warps' P.V summed, with m and l.
 #pragma unroll
   for (int h = 0; h < kGroup; ++h)
-    if (warp >= kSlots)  // two rounds: the second half of the warps stores, the first adds
-      *reinterpret_cast<float4*>(sacc + ((warp - kSlots) * kGroup + h) * kD + lane * 4) =
-          make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-  compute_sync();
-#pragma unroll
-  for (int h = 0; h < kGroup; ++h)
-    if (warp < kSlots) {
-      float4* d = reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4);
-      const float4 o = *d;
-      *d = make_float4(o.x + acc[h][0], o.y + acc[h][1], o.z + acc[h][2], o.w + acc[h][3]);
-    }
+    *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
   compute_sync();
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
     float s = 0.f;
 #pragma unroll
-    for (int w2 = 0; w2 < kSlots; ++w2) s += sacc[w2 * kGroup * kD + e];
+    for (int w2 = 0; w2 < kCW; ++w2) s += sacc[w2 * kGroup * kD + e];
     part[e] = s;
   }
   if (tid < kGroup) part[kGroup * kD + tid] = stat[tid], part[kGroup * kD + kGroup + tid] = stat[4 + tid];
@@ -539,15 +486,15 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs a, Plan p) {
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
-  uint64_t* empty = full + kSlots;
+  uint64_t* empty = full + kMaxSlots;
   bf16* sx = reinterpret_cast<bf16*>(smem + 128);  // staged input, or the attention scratch
   unsigned char* ring = smem + 128 + p.x_bytes;
-  __shared__ float red[kCWarps];
-  __shared__ float xch[2 * kSlots * 32];  // gemv_phase: [phase][slot][lane]
+  __shared__ float red[kCW];
+  __shared__ __align__(16) float gred[kRed];
   __shared__ float sres[kMaxRowsPerBlock];
   __shared__ int flag;
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kHalves);
+    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
     mbar_init_fence();
   }
   __syncthreads();
@@ -582,10 +529,10 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
         stage_input<false>(P == kO ? a.attn : a.act, nullptr, P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red,
                            a.x, H, sres);
       mark(ev + 1);
-      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, ring, full, empty, slot, phase, xch,
+      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
       mark(ev + 2);
-      if (P == kO && a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0)
+      if (P == kO && a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0 && threadIdx.x < 6 * 32)
         a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
       signal_counter(ctr + (P == kQkv ? 0 : P + 1) * kCounterInts, dbg);
       if (P == kQkv) {
@@ -606,26 +553,36 @@ int smem_optin() {
   return v;
 }
 
-// The ring slot size that holds the most bytes of the least-filled projection (whole rows per slot).
-Plan make_plan(int H, int I, int heads) {
-  Plan best{};
-  const int unit[kProjs] = {H * 2, heads * kD * 2, 2 * H * 2, I * 2};
+// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit kStageTarget; the slot is the largest stage.
+constexpr int kStageTarget = 40 * 1024;
+Plan make_plan(int H, int I, int heads, int inflight) {
+  Plan p{};
+  const int K[kProjs] = {H, heads * kD, H, I};
   const int x_elems = std::max({H, heads * kD, I});
-  const int x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
-  const int budget = smem_optin() - 128 - x_bytes - 1024;  // 1 KB: static shared memory
-  int best_cap = 0;
-  for (int sb = 16 * 1024; sb <= 96 * 1024; sb += 1024) {
-    const int slots = std::min(kSlots, budget / sb);
-    if (slots < 2) continue;
-    int least = sb;
-    Plan p{slots, sb, x_bytes, 128 + x_bytes + slots * sb, {}};
-    for (int P = 0; P < kProjs; ++P) {
-      p.units[P] = std::min(sb / unit[P], P == kGu ? 4 : 8);  // at most 8 rows per slot (gemv_phase)
-      least = std::min(least, p.units[P] * unit[P]);
-    }
-    if (least * slots > best_cap) best_cap = least * slots, best = p;
+  p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
+  const int budget = smem_optin() - 128 - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
+  for (int P = 0; P < kProjs; ++P) {
+    const int pair_bytes = 2 * K[P] * 2;
+    int n = 1;
+    while (n < kCW && 2 * n * pair_bytes <= kStageTarget) n *= 2;
+    p.pairs[P] = n;
+    p.slot_bytes = std::max(p.slot_bytes, n * pair_bytes);
   }
-  return best;
+  p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
+  p.smem = 128 + p.x_bytes + p.slots * p.slot_bytes;
+  p.inflight = inflight;
+  return p;
+}
+
+// Whether one projection's per-warp sums fit gred in every block.
+bool plan_red_fits(const Plan& p, int H, int I, int heads, int qkv_rows, int num_sms) {
+  const int units[kProjs] = {qkv_rows, H, I, H};
+  for (int P = 0; P < kProjs; ++P) {
+    const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
+    const int per_block = (units[P] + num_sms - 1) / num_sms;
+    if ((per_block + U - 1) / U * kCW * 2 > kRed) return false;
+  }
+  return true;
 }
 
 }  // namespace
@@ -655,6 +612,11 @@ void persistent_trace_enable(bool on) {
 uint64_t* persistent_trace() { return g_trace_on ? g_trace : nullptr; }
 const uint64_t* persistent_trace_data() { return g_trace; }
 
+int& persistent_inflight() {
+  static int n = 0;
+  return n;
+}
+
 int& persistent_decode() {
   static int mode = 1;
   return mode;
@@ -662,7 +624,7 @@ int& persistent_decode() {
 
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
-  return make_plan(hidden, intermediate, heads).slots >= 2;
+  return make_plan(hidden, intermediate, heads, 0).slots >= 2;
 }
 
 int64_t persistent_counter_ints(int num_layers, int kv_heads) {
@@ -671,8 +633,9 @@ int64_t persistent_counter_ints(int num_layers, int kv_heads) {
 int64_t persistent_ws_floats(int kv_heads, int) { return (int64_t)kv_heads * kMaxSplits * kPartial; }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
-  const Plan p = make_plan(a.hidden, a.intermediate, a.heads);
-  OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms,
+  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
+  OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
+               plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");
   static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
   if (p.smem > configured) {

@@ -4,10 +4,7 @@
 // the block's share of every weight matrix, layer after layer, into a ring of shared-memory slots with
 // bulk copies, bounded only by the ring; the weights depend on nothing, so they keep arriving while the
 // compute warps wait for a projection's input (a counter in global memory per layer and phase) or run
-// attention. Batch 1 only.
-// STATUS (branch only): slower than the kernel-per-operation path (docs/benchmarks.md on main, "every
-// layer in one persistent kernel"); v1 (04520c6) passed its GPU tests, this v2 failed one of them (the
-// run stopped at the first failure, case not identified).
+// attention. Batch 1 only: the GEMVs use the MMA diagonal trick of the fused GEMV (gemv.cu).
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
@@ -58,5 +55,7 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 // A/B switch (default 1): batch-1 decode buckets run their layers through persistent_layers() where it
 // fits; 0 keeps the kernel-per-operation path. Set before an engine captures its graphs.
 int& persistent_decode();
+// Most weight stages a block has requested and not yet received (0: as many as the ring holds).
+int& persistent_inflight();
 
 }  // namespace oi
