@@ -324,7 +324,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   if (warp < kGroup) {
     const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(a.qkv + (kvh * kGroup + warp) * kD + lane * 4));
     put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
-  } else if (k1 == L) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
+  } else if (k1 == L && warp < kGroup + 2) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
     const uint2 raw =
         __ldcg(reinterpret_cast<const uint2*>(a.qkv + (a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4));
@@ -570,7 +570,7 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   }
   p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
   p.smem = 128 + p.x_bytes + p.slots * p.slot_bytes;
-  p.inflight = inflight;
+  p.inflight = inflight < p.slots ? inflight : 0;  // the throttle waits on the latest stage of a slot
   return p;
 }
 
