@@ -14,12 +14,12 @@ import numpy as np
 
 from bench_engine import Runner, model_dir
 
-EVENTS = ["layer start", "prev down done", "qkv input staged", "qkv done", "attention done", "attention merged",
-          "o input staged", "o done", "o everywhere", "gate_up input staged", "gate_up done", "gate_up everywhere",
-          "down input staged", "down done", "copy: first qkv stage", "copy: first gate_up stage",
-          *[f"o done, warp {w}" for w in range(6)], "attn: qkv everywhere", "attn: q, k, v prepared",
-          "attn: scores", "attn: softmax", "attn: P.V", "attn: partial written", "attn: merged", "o warp 1: data ready",
-          "o warp 1: first pass done (debug 16)", "o warp 1: MMAs done"]
+EVENTS = ["layer start", "qkv: staging starts", "qkv: x staged (from every block)", "qkv done (published)",
+          "attention done", "o: staging starts", "o: attention staged (merged)", "o done", "gate_up: staging starts",
+          "gate_up: x staged (after o)", "gate_up done", "down: staging starts", "down: act staged", "down done",
+          "copy: first qkv stage", "copy: first gate_up stage", *[f"o done, warp {w}" for w in range(6)],
+          "attn: K/V requested", "attn: q, k, v prepared", "attn: scores", "attn: softmax", "attn: P.V",
+          "attn: partial written", "attn: merged", "o warp 1: data ready", "(unused)", "o warp 1: MMAs done"]
 
 
 def main() -> None:

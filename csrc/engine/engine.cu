@@ -246,7 +246,9 @@ int64_t Engine::finalize() {
     w_.dev_layers = dl;
     act_.layer_counters =
         static_cast<int*>(alloc(persistent_counter_ints(d_.layers, d_.kv_heads) * sizeof(int), &act_bytes_));
-    act_.layer_ws = static_cast<float*>(alloc(persistent_ws_floats(d_.kv_heads, num_sms_) * sizeof(float), &act_bytes_));
+    const size_t ws_bytes = persistent_ws_floats(d_.hidden, d_.intermediate, d_.heads, d_.kv_heads) * sizeof(float);
+    act_.layer_ws = static_cast<float*>(alloc(ws_bytes, &act_bytes_));
+    OI_CUDA_CHECK(cudaMemset(act_.layer_ws, 0, ws_bytes));
   }
 
   const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;

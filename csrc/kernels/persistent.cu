@@ -38,17 +38,13 @@ struct Plan {
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
 __device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
 __device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kCThreads) : "memory"); }
-__device__ __forceinline__ int ld_acquire(const int* p) {
-  int v;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
   return t;
 }
-__host__ __device__ __forceinline__ int range_begin(int n, int b, int G) { return (int)((int64_t)n * b / G); }
+// Block b's share of n units (n even): even bounds, so that an LL word's two values have one writer.
+__host__ __device__ __forceinline__ int range_begin(int n, int b, int G) { return 2 * (int)((int64_t)(n / 2) * b / G); }
 
 struct Proj {
   const bf16* W;
@@ -105,28 +101,29 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
 constexpr int kWays = 8, kStride = 32;  // ints
 constexpr int kCounterInts = kWays * kStride;
 
-// Warp 0 polls the sub-counters (acquire) until they sum to target; the barrier passes it on (the
-// pattern of CUTLASS's generic barrier). debug bit 0: no wait; bit 2: back off between polls; bit 3: one
-// sub-counter only.
-__device__ __forceinline__ void wait_counter(const int* c, int target, int debug) {
-  if (threadIdx.x < 32 && !(debug & 1)) {
-    const int lane = threadIdx.x, ways = (debug & 8) ? 1 : kWays;
-    for (;;) {
-      int v = lane < ways ? ld_acquire(c + lane * kStride) : 0;
-      for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-      if (v >= target) break;
-      if (debug & 4) __nanosleep(64);
-    }
-  }
-  compute_sync();
+// Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, written
+// with one store, so a reader that sees the flag sees the data. The flag names (step, layer, phase); a reader
+// polls the words themselves, with no fence, counter or second round trip.
+__device__ __forceinline__ uint4 ll_load(const uint2* p, uint32_t flag) {  // two words; spins until both carry flag
+  uint4 v;
+  do {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+  } while (v.y != flag || v.w != flag);
+  return v;  // data in v.x and v.z
 }
-// After every compute thread's writes: one release per block.
-__device__ __forceinline__ void signal_counter(int* c, int debug) {
-  compute_sync();
-  if (threadIdx.x == 0) {
-    int* p = c + (blockIdx.x % ((debug & 8) ? 1 : kWays)) * kStride;
-    asm volatile("red.release.gpu.global.add.s32 [%0], 1;\n" ::"l"(p) : "memory");
-  }
+__device__ __forceinline__ void ll_store(uint2* p, uint32_t data, uint32_t flag) {
+  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1,%2};\n" ::"l"(p), "r"(data), "r"(flag) : "memory");
+}
+__device__ __forceinline__ void ll_store2(uint2* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
 }
 
 // A GEMV's input in shared memory as bf16, RMSNorm applied with the rmsnorm kernel's roundings (each
@@ -134,24 +131,16 @@ __device__ __forceinline__ void signal_counter(int* c, int debug) {
 // For a residual add (res != null) the block's rows of x are read here too, into sres, so that the
 // epilogue does not wait on L2 for each.
 template <bool NORM>
-__device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, bf16* sx, float* red,
-                            const bf16* res = nullptr, int res_units = 0, float* sres = nullptr) {
+__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
   const int tid = threadIdx.x, lane = tid & 31;
-  if (res) {
-    const int u0 = range_begin(res_units, blockIdx.x, gridDim.x), n = range_begin(res_units, blockIdx.x + 1, gridDim.x) - u0;
-    if (tid < n) sres[tid] = __bfloat162float(__ldcg(res + u0 + tid));
-  }
   float ss = 0.f;
-  for (int k = tid * 8; k < K; k += kCThreads * 8) {
-    const uint4 v = __ldcg(reinterpret_cast<const uint4*>(src + k));
-    *reinterpret_cast<uint4*>(sx + k) = v;
+  for (int k = tid * 4; k < K; k += kCThreads * 4) {
+    const uint4 v = ll_load(src + k / 2, flag);
+    *reinterpret_cast<uint2*>(sx + k) = make_uint2(v.x, v.z);
     if (NORM) {
-      const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const float2 f = __bfloat1622float2(p[q]);
-        ss += f.x * f.x + f.y * f.y;
-      }
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+      const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.z));
+      ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
     }
   }
   if (NORM) {
@@ -162,31 +151,21 @@ __device__ void stage_input(const bf16* src, const bf16* nw, int K, float eps, b
 #pragma unroll
     for (int w = 0; w < kCW; ++w) tot += red[w];
     const float rstd = rsqrtf(tot / K + eps);
-    for (int k = tid * 8; k < K; k += kCThreads * 8) {
-      const uint4 wv = __ldg(reinterpret_cast<const uint4*>(nw + k));
+    for (int k = tid * 4; k < K; k += kCThreads * 4) {
+      const uint2 wv = __ldg(reinterpret_cast<const uint2*>(nw + k));
       const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
-      uint4 v = *reinterpret_cast<const uint4*>(sx + k);
+      uint2 v = *reinterpret_cast<const uint2*>(sx + k);
       __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
+      for (int q = 0; q < 2; ++q) {
         const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
         const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
         o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
       }
-      *reinterpret_cast<uint4*>(sx + k) = v;
+      *reinterpret_cast<uint2*>(sx + k) = v;
     }
   }
   compute_sync();
-}
-
-// 8 bf16 (one 16-byte load) to fp32.
-__device__ __forceinline__ void bf16x8(const uint4& v, float (&f)[8]) {
-  const __nv_bfloat162* p = reinterpret_cast<const __nv_bfloat162*>(&v);
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const float2 t = __bfloat1622float2(p[q]);
-    f[2 * q] = t.x, f[2 * q + 1] = t.y;
-  }
 }
 
 // One step of a reduction of 2N of T values per lane across the warp: lanes with bit O of their index set
@@ -208,8 +187,9 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
 // two sums per stage go to shared memory; after the last stage the block adds the parts in order
 // (deterministic) and writes the outputs.
 __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
-                                           const float* sres, float* red, const unsigned char* ring, uint64_t* full,
-                                           uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr) {
+                                           float* sres, float* red, const unsigned char* ring, uint64_t* full,
+                                           uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr, uint2* out,
+                                           uint32_t flag) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
   const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs;
@@ -249,22 +229,28 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
     if (trw) tr[31] = now_ns();
   }
   compute_sync();
-  // One thread per output: the parts summed in order.
+  // One thread per two outputs (one LL word): the parts summed in order.
   const int n = u1 - u0;
-  for (int q = tid; q < n; q += kCThreads) {
-    const int s0 = q / U, r = q % U;
-    const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
-    const float* rp = red + ((s0 * pairs + jj) * parts) * 2;
-    float v = 0.f, up = 0.f;
-    for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
-    const int row = u0 + q;
-    if (P == kGu) {
-      a.act[row] = __float2bfloat16(silu(bf16r(v)) * bf16r(up));
-    } else if (P == kQkv) {
-      a.qkv[row] = __float2bfloat16(v);
-    } else {  // o, down: the residual add (x's rows staged with the input)
-      a.x[row] = __float2bfloat16(v + sres[q]);
+  for (int q0 = 2 * tid; q0 < n; q0 += 2 * kCThreads) {
+    float y[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q = q0 + h, s0 = q / U, r = q % U;
+      const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
+      const float* rp = red + ((s0 * pairs + jj) * parts) * 2;
+      float v = 0.f, up = 0.f;
+      for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+      if (P == kGu) {
+        y[h] = silu(bf16r(v)) * bf16r(up);
+      } else if (P == kQkv) {
+        y[h] = v;
+      } else {  // o, down: the residual add; the block keeps its rows of x in shared memory
+        y[h] = bf16r(v + sres[q]);
+        sres[q] = y[h];
+        if (P == kDown) a.x[u0 + q] = __float2bfloat16(y[h]);  // the plain stream, for lm_head after the last layer
+      }
     }
+    ll_store(out + (u0 + q0) / 2, pack2(y[0], y[1]), flag);
   }
 }
 
@@ -274,7 +260,8 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 // arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
 // lane), requested before this layer's qkv is complete.
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
-                                int* flag, uint64_t* tr) {
+                                int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
+                                uint32_t f_attn) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   auto mark = [&](int e) {
     if (tr) tr[e] = now_ns();
@@ -304,9 +291,8 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       vr[r] = o >= 0 ? __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + o + v_off + lane * 4)) : make_uint2(0, 0);
     }
   };
-  if (item) load_chunk(k0);  // keys of earlier steps: no dependency on this layer
-  wait_counter(ctr + 0 * kCounterInts, gridDim.x, a.debug);
   if (!item) return;
+  load_chunk(k0);  // keys of earlier steps: no dependency on this layer
   mark(22);
 
   float* sq = scratch;                // [4][128]
@@ -322,12 +308,13 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   };
   const int slot_new = a.slots[0];
   if (warp < kGroup) {
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(a.qkv + (kvh * kGroup + warp) * kD + lane * 4));
+    const uint4 v = ll_load(qkv_ll + ((kvh * kGroup + warp) * kD + lane * 4) / 2, f_qkv);
+    const uint2 raw = make_uint2(v.x, v.z);
     put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
   } else if (k1 == L && warp < kGroup + 2) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
-    const uint2 raw =
-        __ldcg(reinterpret_cast<const uint2*>(a.qkv + (a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4));
+    const uint4 v = ll_load(qkv_ll + ((a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4) / 2, f_qkv);
+    const uint2 raw = make_uint2(v.x, v.z);
     const uint2 r = is_v ? raw : qk_norm_rope_lane(raw, w.k_norm, cs, a.eps, lane);
     put4(snew + (is_v ? kD : 0), r);
     if (slot_new >= 0)
@@ -475,11 +462,9 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       num.x += wgt * o[s].x, num.y += wgt * o[s].y, num.z += wgt * o[s].z, num.w += wgt * o[s].w;
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
-    __nv_bfloat162 lo = __floats2bfloat162_rn(num.x * inv, num.y * inv), hi = __floats2bfloat162_rn(num.z * inv, num.w * inv);
-    *reinterpret_cast<uint2*>(a.attn + kvh * kGroup * kD + tid * 4) =
-        make_uint2(*reinterpret_cast<uint32_t*>(&lo), *reinterpret_cast<uint32_t*>(&hi));
+    ll_store2(attn_ll + (kvh * kGroup * kD + tid * 4) / 2, pack2(num.x * inv, num.y * inv), pack2(num.z * inv, num.w * inv),
+              f_attn);
   }
-  signal_counter(ctr + 1 * kCounterInts, a.debug);
   mark(28);
 }
 
@@ -502,45 +487,60 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
     return;
   }
-  const int G = gridDim.x, H = a.hidden, per_layer = (kCtr + a.kv_heads) * kCounterInts;
+  const int G = gridDim.x, H = a.hidden, per_layer = (kCtr + a.kv_heads) * kCounterInts, tid = threadIdx.x;
+  // LL buffers after the attention partials (persistent_ws_floats()), then the step counter.
+  uint2* x_ll = reinterpret_cast<uint2*>(a.ws + (int64_t)a.kv_heads * kMaxSplits * kPartial);
+  uint2* qkv_ll = x_ll + H / 2;
+  uint2* attn_ll = qkv_ll + (a.heads + 2 * a.kv_heads) * kD / 2;
+  uint2* act_ll = attn_ll + a.heads * kD / 2;
+  uint32_t* epoch = reinterpret_cast<uint32_t*>(act_ll + a.intermediate / 2);
+  // Flags: layer l's phases are base + 8 l + {1: x in, 2: qkv, 3: attention, 4: x after o, 5: SiLU·up}; every
+  // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
+  const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
+  // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
+  {
+    const int r0 = range_begin(H, blockIdx.x, G), nr = range_begin(H, blockIdx.x + 1, G) - r0;
+    for (int q = 2 * tid; q < nr; q += 2 * kCThreads) {
+      const float x0 = __bfloat162float(__ldcg(a.x + r0 + q)), x1 = __bfloat162float(__ldcg(a.x + r0 + q + 1));
+      sres[q] = x0, sres[q + 1] = x1;
+      ll_store(x_ll + (r0 + q) / 2, pack2(x0, x1), base + 1);
+    }
+  }
   int slot = 0;
   uint32_t phase = 0;
-  const int dbg = a.debug;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
+    const uint32_t F = base + 8u * l;
     int* ctr = a.counters + l * per_layer;
-    uint64_t* tr = a.trace && l == kPersistentTraceLayer && threadIdx.x == 0 ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
+    uint64_t* tr = a.trace && l == kPersistentTraceLayer && tid == 0 ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
     auto mark = [&](int e) {
       if (tr) tr[e] = now_ns();
     };
     mark(0);
     // One call site per phase function, so that each is inlined once: the projections in order, each
-    // waiting for its input (qkv: the previous layer's down; o: the attention merges; gate_up: o; down:
-    // gate_up), staging it (with RMSNorm for qkv and gate_up), streaming its slots and signalling.
+    // staging its input from the LL words of every block (with RMSNorm for qkv and gate_up), then streaming
+    // its stages and publishing its outputs; attention after qkv.
     for (int P = 0; P < kProjs; ++P) {
       const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
-      if (P == kQkv && l > 0) wait_counter(ctr - per_layer + 4 * kCounterInts, G, dbg);
-      if (P == kO) wait_counter(ctr + 1 * kCounterInts, a.kv_heads, dbg | ((dbg >> 1) & 1));
-      if (P >= kGu) wait_counter(ctr + P * kCounterInts, G, dbg);
       mark(ev);
       if (P == kQkv || P == kGu)
-        stage_input<true>(a.x, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
+        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
       else
-        stage_input<false>(P == kO ? a.attn : a.act, nullptr, P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red,
-                           a.x, H, sres);
+        stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
+                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
       mark(ev + 1);
+      uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
+      const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
       gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
-                 a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr);
+                 a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
-      if (P == kO && a.trace && l == kPersistentTraceLayer && (threadIdx.x & 31) == 0 && threadIdx.x < 6 * 32)
-        a.trace[blockIdx.x * kPersistentEvents + 16 + (threadIdx.x >> 5)] = now_ns();
-      signal_counter(ctr + (P == kQkv ? 0 : P + 1) * kCounterInts, dbg);
       if (P == kQkv) {
-        if (!(dbg & 2)) attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr);
+        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3);
         mark(4);
       }
     }
   }
+  if (blockIdx.x == 0 && tid == 0) *epoch = base + 8u * (a.num_layers + 2);
 }
 
 int smem_optin() {
@@ -630,7 +630,10 @@ bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int 
 int64_t persistent_counter_ints(int num_layers, int kv_heads) {
   return (int64_t)num_layers * (kCtr + kv_heads) * kCounterInts;
 }
-int64_t persistent_ws_floats(int kv_heads, int) { return (int64_t)kv_heads * kMaxSplits * kPartial; }
+int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
+  const int64_t ll_words = hidden / 2 + (heads + 2 * kv_heads) * kD / 2 + heads * kD / 2 + intermediate / 2;
+  return (int64_t)kv_heads * kMaxSplits * kPartial + 2 * ll_words + 4;  // + the step counter
+}
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());

@@ -47,7 +47,8 @@ const uint64_t* persistent_trace_data();  // the buffer itself (null before the 
 // every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim);
 int64_t persistent_counter_ints(int num_layers, int kv_heads);
-int64_t persistent_ws_floats(int kv_heads, int num_sms);
+// Attention partials, the LL activation words and a step counter; zeroed once at allocation.
+int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads);
 
 // Launches (cooperatively: every block must be resident) after zeroing the counters.
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
