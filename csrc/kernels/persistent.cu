@@ -8,10 +8,11 @@ namespace oi {
 namespace {
 
 constexpr int kCW = 8;                      // compute warps: all of them consume every ring slot
-constexpr int kMaxSlots = 8;                 // most ring slots
+constexpr int kMaxSlots = 16;                // most ring slots (their mbarriers: the first 256 bytes)
+constexpr int kBarBytes = 2 * kMaxSlots * 8;
 constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
 constexpr int kCThreads = kCW * 32;          // compute threads (named barrier 1)
-constexpr int kRed = 1024;                   // per-warp partial sums of one projection's rows in a block
+constexpr int kRed = 2048;                   // per-warp partial sums of one projection's rows in a block
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
@@ -31,7 +32,8 @@ constexpr int kCtr = 5;
 
 struct Plan {
   int slots, slot_bytes, x_bytes, smem;
-  int pairs[kProjs];  // row pairs per ring slot (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int pairs[kProjs];   // row pairs per ring stage (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
   int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
 };
 
@@ -71,8 +73,9 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       const Proj pr = proj_of(a, w, P);
       const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
       const uint32_t row_bytes = pr.K * 2;
-      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
-      for (int u = u0; u < u1; u += U, ++k) {
+      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], ks = p.ksplit[P], chunks = pr.K / 256;
+      for (int u = u0; u < u1; u += U)
+      for (int kp = 0; kp < ks; ++kp, ++k) {
         const uint32_t bytes = min(U, u1 - u) * row_bytes;
         mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
         if (p.inflight > 0 && k >= p.inflight) {
@@ -82,7 +85,14 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
         if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
           a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
-        if (P == kGu) {
+        if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
+          const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
+          const uint32_t piece = (cB - cA) * 512, stride = (chunks + ks - 1) / ks * 512;
+          const int64_t rowB = P == kGu ? (int64_t)pr.units + u : u + 1;
+          mbar_expect_tx(&full[slot], 2 * piece);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K + cA * 256, piece, &full[slot], policy);
+          bulk_load(dst + stride, pr.W + rowB * pr.K + cA * 256, piece, &full[slot], policy);
+        } else if (P == kGu) {
           mbar_expect_tx(&full[slot], 2 * bytes);
           bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
           bulk_load(dst + (size_t)U * row_bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
@@ -192,15 +202,18 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
                                            uint32_t flag) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
-  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs;
-  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per stage
+  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs, ks = p.ksplit[P];
+  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per row group
   const int j = warp / parts, sp = warp % parts;
-  const int c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;
-  const int offA = (P == kGu ? j : 2 * j) * K, offB = (P == kGu ? pairs + j : 2 * j + 1) * K;
+  const int rs = ks == 1 ? K : (chunks + ks - 1) / ks * 256;  // a row's stride in the stage
+  const int offA = (P == kGu ? j : 2 * j) * rs, offB = (P == kGu ? pairs + j : 2 * j + 1) * rs;
   const bool trw = tr && lane == 0 && warp == 1 && P == kO;
   const bool diag = t == (g >> 1);
   int st = 0;
-  for (int u = u0; u < u1; u += U, ++st) {
+  for (int u = u0; u < u1; u += U)
+  for (int kp = 0; kp < ks; ++kp, ++st) {
+    const int cA = kp * chunks / ks, n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
+    const int c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;       // this warp's, from the stage's start
     const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
     mbar_wait(&full[slot], phase);
     if (trw && st == 0) tr[29] = now_ns();
@@ -210,7 +223,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
       const int e = c * 256 + lane * 8;
       const uint4 wa = *reinterpret_cast<const uint4*>(sw + offA + e);
       const uint4 wb = *reinterpret_cast<const uint4*>(sw + offB + e);
-      const uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
+      const uint4 xv = *reinterpret_cast<const uint4*>(sx + cA * 256 + e);
       mma_bf16(d0, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
       mma_bf16(d1, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
     }
@@ -237,9 +250,11 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
     for (int h = 0; h < 2; ++h) {
       const int q = q0 + h, s0 = q / U, r = q % U;
       const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
-      const float* rp = red + ((s0 * pairs + jj) * parts) * 2;
       float v = 0.f, up = 0.f;
-      for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+      for (int kp = 0; kp < ks; ++kp) {
+        const float* rp = red + (((s0 * ks + kp) * pairs + jj) * parts) * 2;
+        for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+      }
       if (P == kGu) {
         y[h] = silu(bf16r(v)) * bf16r(up);
       } else if (P == kQkv) {
@@ -259,31 +274,55 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 // new token happen here; its k and v are used from shared memory. Splits merge in the last block to
 // arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
 // lane), requested before this layer's qkv is complete.
+// The step's sequence, read once per launch: each read from global memory costs a loaded round trip, and
+// attention chained three of them (length -> key -> block table -> K/V) in every layer.
+struct StepInfo {
+  int L, pos, slot_new;
+  long long off0;  // the K/V row of this thread's key in the first chunk of its split, without the layer term; -1: none
+};
+__device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& S, int& kvh, int& sp, int& k0, int& k1) {
+  S = max(1, min(min(kMaxSplits, (int)gridDim.x / a.kv_heads), (L + kMinSplitKeys - 1) / kMinSplitKeys));
+  kvh = blockIdx.x % a.kv_heads, sp = blockIdx.x / a.kv_heads;
+  const int per = (L + S - 1) / S;
+  k0 = sp * per, k1 = min(L, k0 + per);
+}
+__device__ __forceinline__ long long kv_row(const PersistentArgs& a, int key, int kvh) {  // without the layer term
+  const int bs = a.kv.block_size, pg = key / bs;
+  return a.block_tables[pg] * a.kv.block_stride() + (int64_t)kvh * bs * kD + (int64_t)(key - pg * bs) * kD;
+}
+__device__ StepInfo step_info(const PersistentArgs& a) {
+  StepInfo si;
+  si.L = a.context_lens[0], si.pos = a.positions[0], si.slot_new = a.slots[0];
+  int S, kvh, sp, k0, k1;
+  attn_split(a, si.L, S, kvh, sp, k0, k1);
+  const int key = k0 + (threadIdx.x >> 5) * kKeysPerWarp + (threadIdx.x & (kKeysPerWarp - 1));
+  si.off0 = (int)blockIdx.x < a.kv_heads * S && key < k1 && key < si.L - 1 ? kv_row(a, key, kvh) : -1;
+  return si;
+}
+
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
                                 int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
-                                uint32_t f_attn) {
+                                uint32_t f_attn, const StepInfo& si) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   auto mark = [&](int e) {
     if (tr) tr[e] = now_ns();
   };
-  const int KVH = a.kv_heads, L = a.context_lens[0], pos = a.positions[0];
-  const int S = max(1, min(min(kMaxSplits, (int)gridDim.x / KVH), (L + kMinSplitKeys - 1) / kMinSplitKeys));
+  const int KVH = a.kv_heads, L = si.L, pos = si.pos;
+  int S, kvh, sp, k0, k1;
+  attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < KVH * S;
-  const int kvh = blockIdx.x % KVH, sp = blockIdx.x / KVH;
-  const int per = (L + S - 1) / S, k0 = sp * per, k1 = min(L, k0 + per);
-  const int bs = a.kv.block_size;
 
   // K/V rows of a warp's 16 keys: lane r < 16 finds key r's row (one division), the loop broadcasts it.
-  const int64_t kv_base = (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
-  const int64_t v_off = (int64_t)KVH * bs * kD, page_stride = a.kv.block_stride();
+  const int64_t l_off = (int64_t)l * a.kv.layer_stride();
+  const int64_t v_off = (int64_t)KVH * a.kv.block_size * kD;
   uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
   auto load_chunk = [&](int c0) {
     const int key = c0 + warp * kKeysPerWarp + (lane & (kKeysPerWarp - 1));
     long long off = -1;
-    if (key < k1 && key < L - 1) {  // the newest key comes from shared memory
-      const int pg = key / bs;
-      off = a.block_tables[pg] * page_stride + kv_base + (int64_t)(key - pg * bs) * kD;
-    }
+    if (c0 == k0)
+      off = si.off0 >= 0 ? si.off0 + l_off : -1;
+    else if (key < k1 && key < L - 1)  // the newest key comes from shared memory
+      off = kv_row(a, key, kvh) + l_off;
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
       const long long o = __shfl_sync(0xffffffffu, off, r);
@@ -306,7 +345,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     const float2 y = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.y));
     *reinterpret_cast<float4*>(dst + lane * 4) = make_float4(x.x, x.y, y.x, y.y);
   };
-  const int slot_new = a.slots[0];
+  const int slot_new = si.slot_new;
   if (warp < kGroup) {
     const uint4 v = ll_load(qkv_ll + ((kvh * kGroup + warp) * kD + lane * 4) / 2, f_qkv);
     const uint2 raw = make_uint2(v.x, v.z);
@@ -472,8 +511,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   extern __shared__ __align__(128) unsigned char smem[];
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint64_t* empty = full + kMaxSlots;
-  bf16* sx = reinterpret_cast<bf16*>(smem + 128);  // staged input, or the attention scratch
-  unsigned char* ring = smem + 128 + p.x_bytes;
+  bf16* sx = reinterpret_cast<bf16*>(smem + kBarBytes);  // staged input, or the attention scratch
+  unsigned char* ring = smem + kBarBytes + p.x_bytes;
   __shared__ float red[kCW];
   __shared__ __align__(16) float gred[kRed];
   __shared__ float sres[kMaxRowsPerBlock];
@@ -497,6 +536,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   // Flags: layer l's phases are base + 8 l + {1: x in, 2: qkv, 3: attention, 4: x after o, 5: SiLU·up}; every
   // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
   const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
+  const StepInfo si = step_info(a);
   // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
   {
     const int r0 = range_begin(H, blockIdx.x, G), nr = range_begin(H, blockIdx.x + 1, G) - r0;
@@ -535,7 +575,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
-        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3);
+        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, si);
         mark(4);
       }
     }
@@ -553,23 +593,23 @@ int smem_optin() {
   return v;
 }
 
-// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit kStageTarget; the slot is the largest stage.
-constexpr int kStageTarget = 40 * 1024;
-Plan make_plan(int H, int I, int heads, int inflight) {
+// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit stage_target; the slot is the largest stage.
+Plan make_plan(int H, int I, int heads, int inflight, int stage_target) {
   Plan p{};
   const int K[kProjs] = {H, heads * kD, H, I};
   const int x_elems = std::max({H, heads * kD, I});
   p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
-  const int budget = smem_optin() - 128 - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
+  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
   for (int P = 0; P < kProjs; ++P) {
-    const int pair_bytes = 2 * K[P] * 2;
-    int n = 1;
-    while (n < kCW && 2 * n * pair_bytes <= kStageTarget) n *= 2;
-    p.pairs[P] = n;
-    p.slot_bytes = std::max(p.slot_bytes, n * pair_bytes);
+    const int pair_bytes = 2 * K[P] * 2, chunks = K[P] / 256;
+    int n = 1, ks = 1;
+    while (n < kCW && 2 * n * pair_bytes <= stage_target) n *= 2;
+    while (pair_bytes / ks > stage_target && ks < chunks) ++ks;
+    p.pairs[P] = n, p.ksplit[P] = ks;
+    p.slot_bytes = std::max(p.slot_bytes, ks == 1 ? n * pair_bytes : 2 * ((chunks + ks - 1) / ks) * 512);
   }
   p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
-  p.smem = 128 + p.x_bytes + p.slots * p.slot_bytes;
+  p.smem = kBarBytes + p.x_bytes + p.slots * p.slot_bytes;
   p.inflight = inflight < p.slots ? inflight : 0;  // the throttle waits on the latest stage of a slot
   return p;
 }
@@ -579,8 +619,8 @@ bool plan_red_fits(const Plan& p, int H, int I, int heads, int qkv_rows, int num
   const int units[kProjs] = {qkv_rows, H, I, H};
   for (int P = 0; P < kProjs; ++P) {
     const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
-    const int per_block = (units[P] + num_sms - 1) / num_sms;
-    if ((per_block + U - 1) / U * kCW * 2 > kRed) return false;
+    const int per_block = (units[P] + num_sms - 1) / num_sms + 1;  // even bounds: one more at most
+    if ((per_block + U - 1) / U * p.ksplit[P] * kCW * 2 > kRed) return false;
   }
   return true;
 }
@@ -617,6 +657,11 @@ int& persistent_inflight() {
   return n;
 }
 
+int& persistent_stage_kb() {
+  static int kb = 40;
+  return kb;
+}
+
 int& persistent_decode() {
   static int mode = 1;
   return mode;
@@ -624,7 +669,7 @@ int& persistent_decode() {
 
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
-  return make_plan(hidden, intermediate, heads, 0).slots >= 2;
+  return make_plan(hidden, intermediate, heads, 0, persistent_stage_kb() * 1024).slots >= 2;
 }
 
 int64_t persistent_counter_ints(int num_layers, int kv_heads) {
@@ -636,7 +681,7 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
-  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
+  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight(), persistent_stage_kb() * 1024);
   OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
                plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");

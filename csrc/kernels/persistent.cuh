@@ -58,5 +58,7 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 int& persistent_decode();
 // Most weight stages a block has requested and not yet received (0: as many as the ring holds).
 int& persistent_inflight();
+// Target bytes of a ring stage, in KB (a stage holds at least one row pair).
+int& persistent_stage_kb();
 
 }  // namespace oi
