@@ -12,13 +12,13 @@ constexpr int kMaxSlots = 16;                // most ring slots (their mbarriers
 constexpr int kBarBytes = 2 * kMaxSlots * 8;
 constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
 constexpr int kCThreads = kCW * 32;          // compute threads (named barrier 1)
-constexpr int kRed = 2048;                   // per-warp partial sums of one projection's rows in a block
+constexpr int kRed = 1024;                   // per-warp partial sums of one projection's rows in a block
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
 constexpr int kKeysPerWarp = 16;             // keys a warp holds in registers per chunk
 constexpr int kChunk = kCW * kKeysPerWarp;
-constexpr int kMinSplitKeys = 64;
+constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -209,11 +209,27 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
   const int offA = (P == kGu ? j : 2 * j) * rs, offB = (P == kGu ? pairs + j : 2 * j + 1) * rs;
   const bool trw = tr && lane == 0 && warp == 1 && P == kO;
   const bool diag = t == (g >> 1);
+  // A stage's two sums per warp are reduced across lanes during the next stage's MMAs (the shuffles' latency
+  // then overlaps theirs).
+  float pva = 0.f, pvb = 0.f;
+  int pst = -1;
+  auto flush = [&]() {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      pva += __shfl_xor_sync(0xffffffffu, pva, o);
+      pvb += __shfl_xor_sync(0xffffffffu, pvb, o);
+    }
+    if (lane == 0) *reinterpret_cast<float2*>(red + ((pst * pairs + j) * parts + sp) * 2) = make_float2(pva, pvb);
+  };
+  int cA = 0, c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;  // ks == 1: every stage alike
   int st = 0;
   for (int u = u0; u < u1; u += U)
   for (int kp = 0; kp < ks; ++kp, ++st) {
-    const int cA = kp * chunks / ks, n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
-    const int c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;       // this warp's, from the stage's start
+    if (ks > 1) {
+      cA = kp * chunks / ks;
+      const int n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
+      c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;  // this warp's, from the stage's start
+    }
     const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
     mbar_wait(&full[slot], phase);
     if (trw && st == 0) tr[29] = now_ns();
@@ -227,20 +243,17 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
       mma_bf16(d0, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
       mma_bf16(d1, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
     }
+    if (pst >= 0) flush();
     __syncwarp();
     if (lane == 0) mbar_arrive(&empty[slot]);  // every warp's loads are done: the copy warp may refill it
     if (++slot == p.slots) slot = 0, phase ^= 1;
     // The diagonal: lane (g, g / 2) holds C[g][g] (row A) in d[g & 1] and C[g + 8][g] (row B) in d[2 + (g & 1)].
-    float va = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
-    float vb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      va += __shfl_xor_sync(0xffffffffu, va, o);
-      vb += __shfl_xor_sync(0xffffffffu, vb, o);
-    }
-    if (lane == 0) *reinterpret_cast<float2*>(red + ((st * pairs + j) * parts + sp) * 2) = make_float2(va, vb);
+    pva = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
+    pvb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+    pst = st;
     if (trw) tr[31] = now_ns();
   }
+  if (pst >= 0) flush();
   compute_sync();
   // One thread per two outputs (one LL word): the parts summed in order.
   const int n = u1 - u0;
