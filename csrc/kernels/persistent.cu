@@ -16,7 +16,7 @@ constexpr int kRed = 1024;                   // per-warp partial sums of one pro
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
-constexpr int kKeysPerWarp = 16;             // keys a warp holds in registers per chunk
+constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
 constexpr int kChunk = kCW * kKeysPerWarp;
 constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
@@ -59,6 +59,23 @@ __device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeig
   return {w.down, a.hidden, a.intermediate};
 }
 
+// The step's sequence, read once per launch: each read from global memory costs a loaded round trip, and
+// attention chained three of them (length -> key -> block table -> K/V) in every layer.
+struct StepInfo {
+  int L, pos, slot_new;
+};
+__device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& S, int& kvh, int& sp, int& k0, int& k1) {
+  S = max(1, min(min(kMaxSplits, (int)gridDim.x / a.kv_heads), (L + kMinSplitKeys - 1) / kMinSplitKeys));
+  kvh = blockIdx.x % a.kv_heads, sp = blockIdx.x / a.kv_heads;
+  const int per = (L + S - 1) / S;
+  k0 = sp * per, k1 = min(L, k0 + per);
+}
+__device__ StepInfo step_info(const PersistentArgs& a) {
+  StepInfo si;
+  si.L = a.context_lens[0], si.pos = a.positions[0], si.slot_new = a.slots[0];
+  return si;
+}
+
 // The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
@@ -67,6 +84,18 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
+  auto acquire = [&]() {  // the next slot, once free and (with p.inflight) once the stage p.inflight back landed
+    mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
+    if (p.inflight > 0 && k >= p.inflight) {
+      const int e = k - p.inflight;
+      mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
+    }
+  };
+  const int L = a.context_lens[0];
+  int S, kvh, sp, k0, k1;
+  attn_split(a, L, S, kvh, sp, k0, k1);
+  const bool item = (int)blockIdx.x < a.kv_heads * S;
+  const int bs = a.kv.block_size;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
     for (int P = 0; P < kProjs; ++P) {
@@ -77,11 +106,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       for (int u = u0; u < u1; u += U)
       for (int kp = 0; kp < ks; ++kp, ++k) {
         const uint32_t bytes = min(U, u1 - u) * row_bytes;
-        mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-        if (p.inflight > 0 && k >= p.inflight) {
-          const int e = k - p.inflight;
-          mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
-        }
+        acquire();
         if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
           a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
@@ -101,6 +126,31 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
           bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
         }
         if (++slot == p.slots) slot = 0, phase ^= 1;
+      }
+      // After qkv: this block's keys of earlier steps for attention, a chunk per stage (K rows, then V rows
+      // at kChunk rows), page by page; the newest key is this step's and comes from shared memory.
+      if (P == kQkv && item) {
+        const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
+        const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
+        for (int c0 = k0; c0 < k1; c0 += kChunk, ++k) {
+          const int cn = min(min(k1, c0 + kChunk), L - 1);
+          acquire();
+          unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
+          if (cn > c0) {
+            mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
+            for (int key = c0; key < cn;) {
+              const int pg = key / bs, kend = min(cn, (pg + 1) * bs);
+              const bf16* src = layer_kv + (int64_t)__ldg(a.block_tables + pg) * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
+              const uint32_t off = (key - c0) * kD * 2, bytes = (kend - key) * kD * 2;
+              bulk_load(dst + off, src, bytes, &full[slot], policy);
+              bulk_load(dst + kChunk * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
+              key = kend;
+            }
+          } else {
+            mbar_arrive(&full[slot]);  // nothing cached in this chunk: the phase completes empty
+          }
+          if (++slot == p.slots) slot = 0, phase ^= 1;
+        }
       }
     }
   }
@@ -287,35 +337,10 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 // new token happen here; its k and v are used from shared memory. Splits merge in the last block to
 // arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
 // lane), requested before this layer's qkv is complete.
-// The step's sequence, read once per launch: each read from global memory costs a loaded round trip, and
-// attention chained three of them (length -> key -> block table -> K/V) in every layer.
-struct StepInfo {
-  int L, pos, slot_new;
-  long long off0;  // the K/V row of this thread's key in the first chunk of its split, without the layer term; -1: none
-};
-__device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& S, int& kvh, int& sp, int& k0, int& k1) {
-  S = max(1, min(min(kMaxSplits, (int)gridDim.x / a.kv_heads), (L + kMinSplitKeys - 1) / kMinSplitKeys));
-  kvh = blockIdx.x % a.kv_heads, sp = blockIdx.x / a.kv_heads;
-  const int per = (L + S - 1) / S;
-  k0 = sp * per, k1 = min(L, k0 + per);
-}
-__device__ __forceinline__ long long kv_row(const PersistentArgs& a, int key, int kvh) {  // without the layer term
-  const int bs = a.kv.block_size, pg = key / bs;
-  return a.block_tables[pg] * a.kv.block_stride() + (int64_t)kvh * bs * kD + (int64_t)(key - pg * bs) * kD;
-}
-__device__ StepInfo step_info(const PersistentArgs& a) {
-  StepInfo si;
-  si.L = a.context_lens[0], si.pos = a.positions[0], si.slot_new = a.slots[0];
-  int S, kvh, sp, k0, k1;
-  attn_split(a, si.L, S, kvh, sp, k0, k1);
-  const int key = k0 + (threadIdx.x >> 5) * kKeysPerWarp + (threadIdx.x & (kKeysPerWarp - 1));
-  si.off0 = (int)blockIdx.x < a.kv_heads * S && key < k1 && key < si.L - 1 ? kv_row(a, key, kvh) : -1;
-  return si;
-}
-
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
                                 int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
-                                uint32_t f_attn, const StepInfo& si) {
+                                uint32_t f_attn, const StepInfo& si, const Plan& p, const unsigned char* ring,
+                                uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   auto mark = [&](int e) {
     if (tr) tr[e] = now_ns();
@@ -325,23 +350,22 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < KVH * S;
 
-  // K/V rows of a warp's 16 keys: lane r < 16 finds key r's row (one division), the loop broadcasts it.
-  const int64_t l_off = (int64_t)l * a.kv.layer_stride();
-  const int64_t v_off = (int64_t)KVH * a.kv.block_size * kD;
+  // A warp's 8 keys of a chunk, from the ring stage the copy warp filled (produce()); lane: 4 dims of each.
   uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
   auto load_chunk = [&](int c0) {
-    const int key = c0 + warp * kKeysPerWarp + (lane & (kKeysPerWarp - 1));
-    long long off = -1;
-    if (c0 == k0)
-      off = si.off0 >= 0 ? si.off0 + l_off : -1;
-    else if (key < k1 && key < L - 1)  // the newest key comes from shared memory
-      off = kv_row(a, key, kvh) + l_off;
+    mbar_wait(&full[slot], phase);
+    const unsigned char* st = ring + (size_t)slot * p.slot_bytes;
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
-      const long long o = __shfl_sync(0xffffffffu, off, r);
-      kr[r] = o >= 0 ? __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + o + lane * 4)) : make_uint2(0, 0);
-      vr[r] = o >= 0 ? __ldcg(reinterpret_cast<const uint2*>(a.kv_cache + o + v_off + lane * 4)) : make_uint2(0, 0);
+      const int key = c0 + warp * kKeysPerWarp + r;
+      const bool ok = key < k1 && key < L - 1;
+      const int off = (key - c0) * kD * 2 + lane * 8;
+      kr[r] = ok ? *reinterpret_cast<const uint2*>(st + off) : make_uint2(0, 0);
+      vr[r] = ok ? *reinterpret_cast<const uint2*>(st + kChunk * kD * 2 + off) : make_uint2(0, 0);
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (++slot == p.slots) slot = 0, phase ^= 1;
   };
   if (!item) return;
   load_chunk(k0);  // keys of earlier steps: no dependency on this layer
@@ -397,8 +421,8 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   for (int c0 = k0; c0 < k1; c0 += kChunk) {
     if (c0 != k0) load_chunk(c0);
     const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
-    // 16 keys x 4 heads partial dot products, summed across lanes by recursive halving (62 shuffles):
-    // lane l ends with index 2l + j, i.e. key l / 2 and head 2 (l & 1) + j.
+    // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
+    // lane l ends with index l, i.e. key l / 4 and head l % 4.
     float v[kKeysPerWarp * kGroup];
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
@@ -407,16 +431,14 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
     }
-    halve<32, 16, 64>(v, lane);
-    halve<16, 8, 64>(v, lane);
-    halve<8, 4, 64>(v, lane);
-    halve<4, 2, 64>(v, lane);
-    halve<2, 1, 64>(v, lane);
+    halve<16, 16, kKeysPerWarp * kGroup>(v, lane);
+    halve<8, 8, kKeysPerWarp * kGroup>(v, lane);
+    halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
+    halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
+    halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
     {
-      const int r = lane >> 1, h0 = 2 * (lane & 1);
-      const bool ok = kb + r < k1;
-      ssc[h0 * kChunk + warp * kKeysPerWarp + r] = ok ? v[0] * scale_log2 : kNegInf;
-      ssc[(h0 + 1) * kChunk + warp * kKeysPerWarp + r] = ok ? v[1] * scale_log2 : kNegInf;
+      const int r = lane >> 2, h = lane & 3;
+      ssc[h * kChunk + warp * kKeysPerWarp + r] = kb + r < k1 ? v[0] * scale_log2 : kNegInf;
     }
     compute_sync();
     mark(24);
@@ -588,7 +610,8 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
-        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, si);
+        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, si, p, ring,
+                        full, empty, slot, phase);
         mark(4);
       }
     }
@@ -695,7 +718,7 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight(), persistent_stage_kb() * 1024);
-  OI_CHECK(p.slots >= 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
+  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kChunk * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
                plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");
   static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
