@@ -12,26 +12,28 @@ constexpr int kMaxSlots = 16;                // most ring slots (their mbarriers
 constexpr int kBarBytes = 2 * kMaxSlots * 8;
 constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
 constexpr int kCThreads = kCW * 32;          // compute threads (named barrier 1)
-constexpr int kStaticEighths = 7;           // share of a projection's row groups assigned statically; the rest claimed
+constexpr int kRed = 1024;                   // per-warp partial sums of one projection's rows in a block
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
 constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
 constexpr int kChunk = kCW * kKeysPerWarp;
 constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
+constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
 // Attention scratch (floats), aliased with the staged GEMV input: q [4][128], scores [4][kChunk], running
 // m / l / rescale [3][4] (+4 pad), the new token's k and v [2][128], per-warp P.V sums [kCW][4][128].
 constexpr int kScratchFloats = kGroup * kD + kGroup * kChunk + 16 + 2 * kD + kCW * kGroup * kD;
 enum { kQkv, kO, kGu, kDown, kProjs };
-// Counters per layer (kCounterInts apart): the row-group claims of the four projections (and one unused), then one
-// split-arrival counter per KV head.
+// Counters per layer: qkv done (blocks), attention merged (KV heads), o done, gate_up done, down done
+// (blocks), then one split-arrival counter per KV head.
 constexpr int kCtr = 5;
 
 struct Plan {
   int slots, slot_bytes, x_bytes, smem;
-  int pairs[kProjs];  // row pairs per ring stage, a row group (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int pairs[kProjs];   // row pairs per ring stage (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
   int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
 };
 
@@ -57,9 +59,6 @@ __device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeig
   return {w.down, a.hidden, a.intermediate};
 }
 
-// Global counters, each on its own 128-byte lines: per layer, the row-group claims of the projections, then
-// one split-arrival counter per KV head.
-constexpr int kCounterInts = 32;
 // The step's sequence, read once per launch: each read from global memory costs a loaded round trip, and
 // attention chained three of them (length -> key -> block table -> K/V) in every layer.
 struct StepInfo {
@@ -81,8 +80,7 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
 // has landed, so that fewer bytes queue in the memory system ahead of the counters and input reads.
-__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty,
-                        int* stage_group) {
+__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
@@ -97,51 +95,37 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   int S, kvh, sp, k0, k1;
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < a.kv_heads * S;
-  const int bs = a.kv.block_size, per_layer = (kCtr + a.kv_heads) * kCounterInts;
+  const int bs = a.kv.block_size;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
     for (int P = 0; P < kProjs; ++P) {
-      // Row groups: block b's static share [b m, (b + 1) m), then groups claimed from a counter per layer and
-      // projection (the SMs' shares of memory bandwidth differ by several percent, so static shares alone
-      // leave every projection waiting for its slowest block). A claim is requested a stage ahead; group -1
-      // ends the projection for the consumers.
       const Proj pr = proj_of(a, w, P);
-      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], groups = pr.units / U;
-      const int m = groups * kStaticEighths / 8 / (int)gridDim.x, pool = m * (int)gridDim.x;
-      int* claim = a.counters + l * per_layer + P * kCounterInts;
-      const uint32_t bytes = U * pr.K * 2;
-      int gs = blockIdx.x * m, ge = gs + m, next = -1;
-      bool first = true;
-      for (;;) {
-        if (next < 0 && gs >= ge - 1) next = pool + atomicAdd(claim, 1);  // used at the next stage
-        int g;
-        if (gs < ge) {
-          g = gs++;
-        } else {
-          g = next < groups ? next : -1;
-          next = -1;
-          if (g >= 0) next = pool + atomicAdd(claim, 1);
-        }
+      const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+      const uint32_t row_bytes = pr.K * 2;
+      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], ks = p.ksplit[P], chunks = pr.K / 256;
+      for (int u = u0; u < u1; u += U)
+      for (int kp = 0; kp < ks; ++kp, ++k) {
+        const uint32_t bytes = min(U, u1 - u) * row_bytes;
         acquire();
-        if (a.trace && first && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
+        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
           a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
-        first = false;
-        stage_group[slot] = g;
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
-        const int64_t u = (int64_t)g * U;
-        if (g < 0) {
-          mbar_arrive(&full[slot]);  // released with the group above
+        if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
+          const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
+          const uint32_t piece = (cB - cA) * 512, stride = (chunks + ks - 1) / ks * 512;
+          const int64_t rowB = P == kGu ? (int64_t)pr.units + u : u + 1;
+          mbar_expect_tx(&full[slot], 2 * piece);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K + cA * 256, piece, &full[slot], policy);
+          bulk_load(dst + stride, pr.W + rowB * pr.K + cA * 256, piece, &full[slot], policy);
         } else if (P == kGu) {
           mbar_expect_tx(&full[slot], 2 * bytes);
-          bulk_load(dst, pr.W + u * pr.K, bytes, &full[slot], policy);
-          bulk_load(dst + bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
+          bulk_load(dst + (size_t)U * row_bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
         } else {
           mbar_expect_tx(&full[slot], bytes);
-          bulk_load(dst, pr.W + u * pr.K, bytes, &full[slot], policy);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
         }
         if (++slot == p.slots) slot = 0, phase ^= 1;
-        ++k;
-        if (g < 0) break;
       }
       // After qkv: this block's keys of earlier steps for attention, a chunk per stage (K rows, then V rows
       // at kChunk rows), page by page; the newest key is this step's and comes from shared memory.
@@ -172,6 +156,10 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   }
 }
 
+// A counter is kWays sub-counters on separate 128-byte lines: a block adds to sub-counter b % kWays, so
+// the 132 arrivals and the pollers do not all meet on one L2 line.
+constexpr int kWays = 8, kStride = 32;  // ints
+constexpr int kCounterInts = kWays * kStride;
 
 // Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, written
 // with one store, so a reader that sees the flag sees the data. The flag names (step, layer, phase); a reader
@@ -198,19 +186,18 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// A GEMV's input in shared memory as bf16 from the LL words of every block, RMSNorm applied with the rmsnorm
-// kernel's roundings (each thread on the elements it staged); with the norm, x itself is kept too (xraw).
+// A GEMV's input in shared memory as bf16, RMSNorm applied with the rmsnorm kernel's roundings (each
+// thread on the elements it staged). Another block wrote src: read through L2.
+// For a residual add (res != null) the block's rows of x are read here too, into sres, so that the
+// epilogue does not wait on L2 for each.
 template <bool NORM>
-__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red,
-                            bf16* xraw = nullptr) {
+__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
   const int tid = threadIdx.x, lane = tid & 31;
-  compute_sync();  // the previous projection's warps are done with sx and xraw
   float ss = 0.f;
   for (int k = tid * 4; k < K; k += kCThreads * 4) {
     const uint4 v = ll_load(src + k / 2, flag);
     *reinterpret_cast<uint2*>(sx + k) = make_uint2(v.x, v.z);
     if (NORM) {
-      *reinterpret_cast<uint2*>(xraw + k) = make_uint2(v.x, v.z);  // the residual of the next projection
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
       const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.z));
       ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
@@ -253,94 +240,96 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
   }
 }
 
-// One projection, ring stage by ring stage until the copy warp's group -1, every compute warp on every
-// stage. Warp w takes row pair j = w / parts of the stage over chunks [s, s + 1) * chunks / parts of K (s = w %
+// One projection: the block's rows [u0, u1), ring stage by ring stage, every compute warp on every stage.
+// Warp w takes row pair j = w / parts of the stage over chunks [s, s + 1) * chunks / parts of K (s = w %
 // parts), with the dot products on the tensor cores as in gemv.cu (the MMA diagonal: lane (g, t) puts its
 // 16 bytes of row A in MMA row g and of row B in row g + 8, its input elements in B column g). Each warp's
-// two sums go to the slot's row of sred; the last warp to finish a stage adds the parts in order
-// (deterministic) and publishes the stage's outputs.
+// two sums per stage go to shared memory; after the last stage the block adds the parts in order
+// (deterministic) and writes the outputs.
 __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
-                                           const bf16* xraw, float* sred, int* scount, const int* stage_group,
-                                           const unsigned char* ring, uint64_t* full, uint64_t* empty, int& slot,
-                                           uint32_t& phase, uint64_t* tr, uint2* out, uint32_t flag) {
+                                           float* sres, float* red, const unsigned char* ring, uint64_t* full,
+                                           uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr, uint2* out,
+                                           uint32_t flag) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs;
-  const int U = P == kGu ? pairs : 2 * pairs;
+  const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs, ks = p.ksplit[P];
+  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per row group
   const int j = warp / parts, sp = warp % parts;
-  const int c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;
-  const int offA = (P == kGu ? j : 2 * j) * K, offB = (P == kGu ? pairs + j : 2 * j + 1) * K;
+  const int rs = ks == 1 ? K : (chunks + ks - 1) / ks * 256;  // a row's stride in the stage
+  const int offA = (P == kGu ? j : 2 * j) * rs, offB = (P == kGu ? pairs + j : 2 * j + 1) * rs;
   const bool trw = tr && lane == 0 && warp == 1 && P == kO;
   const bool diag = t == (g >> 1);
-  for (int st = 0;; ++st) {
-    mbar_wait(&full[slot], phase);
-    const int grp = stage_group[slot];
-    if (grp < 0) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);
-      if (++slot == p.slots) slot = 0, phase ^= 1;
-      break;
+  // A stage's two sums per warp are reduced across lanes during the next stage's MMAs (the shuffles' latency
+  // then overlaps theirs).
+  float pva = 0.f, pvb = 0.f;
+  int pst = -1;
+  auto flush = [&]() {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      pva += __shfl_xor_sync(0xffffffffu, pva, o);
+      pvb += __shfl_xor_sync(0xffffffffu, pvb, o);
     }
-    if (trw && st == 0) tr[29] = now_ns();
+    if (lane == 0) *reinterpret_cast<float2*>(red + ((pst * pairs + j) * parts + sp) * 2) = make_float2(pva, pvb);
+  };
+  int cA = 0, c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;  // ks == 1: every stage alike
+  int st = 0;
+  for (int u = u0; u < u1; u += U)
+  for (int kp = 0; kp < ks; ++kp, ++st) {
+    if (ks > 1) {
+      cA = kp * chunks / ks;
+      const int n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
+      c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;  // this warp's, from the stage's start
+    }
     const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
+    mbar_wait(&full[slot], phase);
+    if (trw && st == 0) tr[29] = now_ns();
     float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of MMAs
 #pragma unroll 4
     for (int c = c0; c < c1; ++c) {
       const int e = c * 256 + lane * 8;
       const uint4 wa = *reinterpret_cast<const uint4*>(sw + offA + e);
       const uint4 wb = *reinterpret_cast<const uint4*>(sw + offB + e);
-      const uint4 xv = *reinterpret_cast<const uint4*>(sx + e);
+      const uint4 xv = *reinterpret_cast<const uint4*>(sx + cA * 256 + e);
       mma_bf16(d0, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
       mma_bf16(d1, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
     }
-    // The diagonal: lane (g, g / 2) holds C[g][g] (row A) in d[g & 1] and C[g + 8][g] (row B) in d[2 + (g & 1)].
-    float va = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
-    float vb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-      va += __shfl_xor_sync(0xffffffffu, va, o);
-      vb += __shfl_xor_sync(0xffffffffu, vb, o);
-    }
-    float* red = sred + slot * (2 * kCW);
-    int last = 0;
-    if (lane == 0) {
-      *reinterpret_cast<float2*>(red + 2 * warp) = make_float2(va, vb);
-      __threadfence_block();
-      last = atomicAdd(scount + slot, 1) == kCW - 1;
-    }
-    if (__shfl_sync(0xffffffffu, last, 0)) {  // every warp's sums are in: this stage's outputs, a word per lane
-      __threadfence_block();
-      const int words = U / 2;
-      if (lane < words) {
-        float y[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = 2 * lane + h;  // unit of the group
-          float v = 0.f, up = 0.f;
-          const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
-          for (int s2 = 0; s2 < parts; ++s2) {
-            v += red[2 * (jj * parts + s2) + which];
-            up += red[2 * (jj * parts + s2) + 1];
-          }
-          const int row = grp * U + r;
-          if (P == kGu) {
-            y[h] = silu(bf16r(v)) * bf16r(up);
-          } else if (P == kQkv) {
-            y[h] = v;
-          } else {  // o, down: the residual add
-            y[h] = bf16r(v + __bfloat162float(xraw[row]));
-            if (P == kDown) a.x[row] = __float2bfloat16(y[h]);  // the plain stream, for lm_head after the last layer
-          }
-        }
-        ll_store(out + (grp * U) / 2 + lane, pack2(y[0], y[1]), flag);
-      }
-      if (lane == 0) scount[slot] = 0;
-    }
+    if (pst >= 0) flush();
     __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[slot]);  // the copy warp may refill it once every warp has arrived
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every warp's loads are done: the copy warp may refill it
     if (++slot == p.slots) slot = 0, phase ^= 1;
+    // The diagonal: lane (g, g / 2) holds C[g][g] (row A) in d[g & 1] and C[g + 8][g] (row B) in d[2 + (g & 1)].
+    pva = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
+    pvb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+    pst = st;
     if (trw) tr[31] = now_ns();
   }
-  compute_sync();  // sx is the attention scratch next, and the next projection's staging rewrites it
+  if (pst >= 0) flush();
+  compute_sync();
+  // One thread per two outputs (one LL word): the parts summed in order.
+  const int n = u1 - u0;
+  for (int q0 = 2 * tid; q0 < n; q0 += 2 * kCThreads) {
+    float y[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q = q0 + h, s0 = q / U, r = q % U;
+      const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
+      float v = 0.f, up = 0.f;
+      for (int kp = 0; kp < ks; ++kp) {
+        const float* rp = red + (((s0 * ks + kp) * pairs + jj) * parts) * 2;
+        for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+      }
+      if (P == kGu) {
+        y[h] = silu(bf16r(v)) * bf16r(up);
+      } else if (P == kQkv) {
+        y[h] = v;
+      } else {  // o, down: the residual add; the block keeps its rows of x in shared memory
+        y[h] = bf16r(v + sres[q]);
+        sres[q] = y[h];
+        if (P == kDown) a.x[u0 + q] = __float2bfloat16(y[h]);  // the plain stream, for lm_head after the last layer
+      }
+    }
+    ll_store(out + (u0 + q0) / 2, pack2(y[0], y[1]), flag);
+  }
 }
 
 // Decode attention of this layer for the one sequence: block b < kv_heads * S takes KV head b % kv_heads
@@ -560,18 +549,16 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   bf16* sx = reinterpret_cast<bf16*>(smem + kBarBytes);  // staged input, or the attention scratch
   unsigned char* ring = smem + kBarBytes + p.x_bytes;
   __shared__ float red[kCW];
-  __shared__ __align__(16) float sred[kMaxSlots * 2 * kCW];  // per slot: each warp's two sums
-  __shared__ int scount[kMaxSlots];                          // per slot: warps done with the stage
-  __shared__ int stage_group[kMaxSlots];                     // per slot: the row group the copy warp put there
+  __shared__ __align__(16) float gred[kRed];
+  __shared__ float sres[kMaxRowsPerBlock];
   __shared__ int flag;
-  bf16* xraw = reinterpret_cast<bf16*>(ring + (size_t)p.slots * p.slot_bytes);  // x before the last norm
   if (threadIdx.x == 0) {
-    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW), scount[s] = 0;
+    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
     mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= kCThreads) {
-    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty, stage_group);
+    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
     return;
   }
   const int G = gridDim.x, H = a.hidden, per_layer = (kCtr + a.kv_heads) * kCounterInts, tid = threadIdx.x;
@@ -585,10 +572,12 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
   const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
   const StepInfo si = step_info(a);
-  {  // the embedding's x, published for the first qkv: a share of the words per block
+  // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
+  {
     const int r0 = range_begin(H, blockIdx.x, G), nr = range_begin(H, blockIdx.x + 1, G) - r0;
     for (int q = 2 * tid; q < nr; q += 2 * kCThreads) {
       const float x0 = __bfloat162float(__ldcg(a.x + r0 + q)), x1 = __bfloat162float(__ldcg(a.x + r0 + q + 1));
+      sres[q] = x0, sres[q + 1] = x1;
       ll_store(x_ll + (r0 + q) / 2, pack2(x0, x1), base + 1);
     }
   }
@@ -610,15 +599,14 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
       mark(ev);
       if (P == kQkv || P == kGu)
-        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red,
-                          xraw);
+        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
       else
         stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
                            P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
       mark(ev + 1);
       uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
       const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
-      gemv_phase(P, a, p, proj_of(a, w, P), sx, xraw, sred, scount, stage_group, ring, full, empty, slot, phase,
+      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
@@ -641,36 +629,35 @@ int smem_optin() {
   return v;
 }
 
-// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit the stage target (at least one pair); the slot is
-// the largest stage. Dynamic shared memory: barriers, the staged input (or attention scratch), the ring, and x
-// before the last norm (the residual).
+// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit stage_target; the slot is the largest stage.
 Plan make_plan(int H, int I, int heads, int inflight, int stage_target) {
   Plan p{};
   const int K[kProjs] = {H, heads * kD, H, I};
   const int x_elems = std::max({H, heads * kD, I});
   p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
-  const int xraw_bytes = H * 2;
-  const int budget = smem_optin() - kBarBytes - p.x_bytes - xraw_bytes - 1536;  // static shared memory
+  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
   for (int P = 0; P < kProjs; ++P) {
-    const int pair_bytes = 2 * K[P] * 2;
-    int n = 1;
+    const int pair_bytes = 2 * K[P] * 2, chunks = K[P] / 256;
+    int n = 1, ks = 1;
     while (n < kCW && 2 * n * pair_bytes <= stage_target) n *= 2;
-    if (P == kGu && n < 2) n = 2;  // a gate_up group publishes whole LL words (two units)
-    p.pairs[P] = n;
-    p.slot_bytes = std::max(p.slot_bytes, n * pair_bytes);
+    while (pair_bytes / ks > stage_target && ks < chunks) ++ks;
+    p.pairs[P] = n, p.ksplit[P] = ks;
+    p.slot_bytes = std::max(p.slot_bytes, ks == 1 ? n * pair_bytes : 2 * ((chunks + ks - 1) / ks) * 512);
   }
-  p.slot_bytes = std::max(p.slot_bytes, 2 * kChunk * kD * 2);  // a chunk of attention's K and V
   p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
-  p.smem = kBarBytes + p.x_bytes + p.slots * p.slot_bytes + xraw_bytes;
+  p.smem = kBarBytes + p.x_bytes + p.slots * p.slot_bytes;
   p.inflight = inflight < p.slots ? inflight : 0;  // the throttle waits on the latest stage of a slot
   return p;
 }
 
-// Whether every projection's units divide into whole row groups.
-bool plan_groups_fit(const Plan& p, int H, int I, int qkv_rows) {
+// Whether one projection's per-warp sums fit gred in every block.
+bool plan_red_fits(const Plan& p, int H, int I, int heads, int qkv_rows, int num_sms) {
   const int units[kProjs] = {qkv_rows, H, I, H};
-  for (int P = 0; P < kProjs; ++P)
-    if (units[P] % (P == kGu ? p.pairs[P] : 2 * p.pairs[P])) return false;
+  for (int P = 0; P < kProjs; ++P) {
+    const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
+    const int per_block = (units[P] + num_sms - 1) / num_sms + 1;  // even bounds: one more at most
+    if ((per_block + U - 1) / U * p.ksplit[P] * kCW * 2 > kRed) return false;
+  }
   return true;
 }
 
@@ -718,8 +705,7 @@ int& persistent_decode() {
 
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
-  const Plan p = make_plan(hidden, intermediate, heads, 0, persistent_stage_kb() * 1024);
-  return p.slots >= 2 && plan_groups_fit(p, hidden, intermediate, (heads + 2 * kv_heads) * kD);
+  return make_plan(hidden, intermediate, heads, 0, persistent_stage_kb() * 1024).slots >= 2;
 }
 
 int64_t persistent_counter_ints(int num_layers, int kv_heads) {
@@ -732,8 +718,8 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight(), persistent_stage_kb() * 1024);
-  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kChunk * kD * 2 && num_sms >= a.kv_heads &&
-               plan_groups_fit(p, a.hidden, a.intermediate, (a.heads + 2 * a.kv_heads) * kD),
+  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kChunk * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
+               plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");
   static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
   if (p.smem > configured) {
