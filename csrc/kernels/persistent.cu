@@ -396,7 +396,6 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     if (slot_new >= 0)
       *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, l, slot_new, kvh, is_v) + lane * 4) = r;
   }
-  if (tid < kGroup) stat[tid] = kNegInf, stat[4 + tid] = 0.f;
   compute_sync();
   mark(23);
 
@@ -418,6 +417,9 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       x[0] = p.x, x[1] = p.y, x[2] = s.x, x[3] = s.y;
     }
   };
+  // Each warp keeps its own running max and sum per head over its keys (no block barrier per chunk); the
+  // warps merge once at the end, as splits do.
+  float m_run = kNegInf, l_run = 0.f;  // of head lane % 4
   for (int c0 = k0; c0 < k1; c0 += kChunk) {
     if (c0 != k0) load_chunk(c0);
     const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
@@ -436,72 +438,68 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
     halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
     halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
-    {
-      const int r = lane >> 2, h = lane & 3;
-      ssc[h * kChunk + warp * kKeysPerWarp + r] = kb + r < k1 ? v[0] * scale_log2 : kNegInf;
-    }
-    compute_sync();
-    mark(24);
-    if (warp < kGroup) {  // online softmax of head `warp` over the chunk
-      float* row = ssc + warp * kChunk;
-      float cm = kNegInf;
-#pragma unroll
-      for (int j = lane; j < kChunk; j += 32) cm = fmaxf(cm, row[j]);
-      for (int o = 16; o > 0; o >>= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-      const float m_old = stat[warp], m_new = fmaxf(m_old, cm);
-      float sum = 0.f;
-#pragma unroll
-      for (int j = lane; j < kChunk; j += 32) {
-        const float pj = row[j] == kNegInf ? 0.f : exp2f(row[j] - m_new);
-        row[j] = pj;
-        sum += pj;
-      }
-      for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      __syncwarp();
-      if (lane == 0) {
-        const float alpha = m_old == kNegInf ? 0.f : exp2f(m_old - m_new);
-        stat[warp] = m_new;
-        stat[4 + warp] = stat[4 + warp] * alpha + sum;
-        stat[8 + warp] = alpha;
-      }
-    }
-    compute_sync();
-    mark(25);
+    const float sc = kb + (lane >> 2) < k1 ? v[0] * scale_log2 : kNegInf;
+    float cm = sc;  // the chunk's max of head hl over the warp's 8 keys (lanes alike in bits 0-1)
+    for (int o = 4; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+    const float m_new = fmaxf(m_run, cm);
+    const float pj = sc == kNegInf ? 0.f : exp2f(sc - m_new);
+    float sum = pj;
+    for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float alpha = m_run == kNegInf ? 0.f : exp2f(m_run - m_new);
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
 #pragma unroll
     for (int h = 0; h < kGroup; ++h) {
-      const float al = stat[8 + h];
+      const float al = __shfl_sync(0xffffffffu, alpha, h);
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[h][i] *= al;
     }
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
-      if (kb + r >= k1) continue;
       float vf[4];
       f4(vr[r], kb + r, kD, vf);
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) {
-        const float pr = ssc[h * kChunk + warp * kKeysPerWarp + r];
+        const float pr = __shfl_sync(0xffffffffu, pj, r * kGroup + h);  // 0 past the split's end
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[h][i] += pr * vf[i];
       }
     }
-    compute_sync();  // the scores are rewritten by the next chunk
   }
   mark(26);
 
-  // This split's partial: the warps' P.V summed, with m and l.
+  // This split's partial: the warps' P.V rescaled to the block's max and summed, with m and l.
 #pragma unroll
   for (int h = 0; h < kGroup; ++h)
     *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+  float* wstat = ssc;  // [kCW][2][4]: each warp's m and l per head
+  if (lane < kGroup) wstat[warp * 8 + lane] = m_run, wstat[warp * 8 + 4 + lane] = l_run;
   compute_sync();
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
+    const int h = e / kD;
+    float M = kNegInf;
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) M = fmaxf(M, wstat[w2 * 8 + h]);
     float s = 0.f;
 #pragma unroll
-    for (int w2 = 0; w2 < kCW; ++w2) s += sacc[w2 * kGroup * kD + e];
+    for (int w2 = 0; w2 < kCW; ++w2) {
+      const float mw = wstat[w2 * 8 + h];
+      s += mw == kNegInf ? 0.f : exp2f(mw - M) * sacc[w2 * kGroup * kD + e];
+    }
     part[e] = s;
   }
-  if (tid < kGroup) part[kGroup * kD + tid] = stat[tid], part[kGroup * kD + kGroup + tid] = stat[4 + tid];
+  if (tid < kGroup) {
+    float M = kNegInf, l = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) M = fmaxf(M, wstat[w2 * 8 + tid]);
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) {
+      const float mw = wstat[w2 * 8 + tid];
+      l += mw == kNegInf ? 0.f : exp2f(mw - M) * wstat[w2 * 8 + 4 + tid];
+    }
+    part[kGroup * kD + tid] = M, part[kGroup * kD + kGroup + tid] = l;
+  }
   compute_sync();
   if (tid == 0) {  // acq_rel: releases this block's partial, acquires the others' for the last
     int old;
