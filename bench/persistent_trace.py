@@ -27,12 +27,10 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out", default="")
-    ap.add_argument("--debug", type=int, default=0, help="persistent_debug mask while tracing")
     a = ap.parse_args()
     import openinfer
     from openinfer import _engine
 
-    _engine.ops.persistent_debug(a.debug)
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
                            max_num_seqs=8, gpu_memory_utilization=0.5)

@@ -289,11 +289,7 @@ PYBIND11_MODULE(_engine, m) {
     return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
   }, "whether persistent_layers() serves this geometry on the current device");
   ops.def("persistent_inflight", [](int n) { persistent_inflight() = n; },
-          "most weight stages a block of persistent_layers() keeps requested and not yet landed (0: the ring bounds them)");
-  ops.def("persistent_stage_kb", [](int kb) { persistent_stage_kb() = kb; },
-          "target KB of a persistent_layers() ring stage (at least one row pair)");
-  ops.def("persistent_debug", [](int mask) { persistent_debug() = mask; },
-          "profiling only, wrong outputs: persistent_layers() waits for no counter (1) and/or skips attention (2)");
+          "stages a block of persistent_layers() keeps requested and not yet landed (-1: ~64 KB, the default; 0: the ring bounds them)");
   ops.def("persistent_trace", [](bool on) {
     persistent_trace_enable(on);
     py::array_t<uint64_t> out;

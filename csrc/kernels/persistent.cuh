@@ -1,10 +1,14 @@
-// Every decoder layer of a batch-1 decode step in one persistent kernel (one block per SM).
-// The separate kernels leave memory idle at each dependency: a projection's blocks land only once the
-// previous kernel's leave, and the o projection waits for attention. Here each block's copy warp streams
-// the block's share of every weight matrix, layer after layer, into a ring of shared-memory slots with
-// bulk copies, bounded only by the ring; the weights depend on nothing, so they keep arriving while the
-// compute warps wait for a projection's input (a counter in global memory per layer and phase) or run
-// attention. Batch 1 only: the GEMVs use the MMA diagonal trick of the fused GEMV (gemv.cu).
+// Every decoder layer of a batch-1 decode step in one persistent kernel (one block per SM), the default for
+// batch-1 decode buckets where the geometry fits (Qwen3 0.6B-8B).
+// Kernel by kernel, memory idles at every dependency: a projection's blocks land only once the previous
+// kernel's leave, and the o projection waits for attention. Here each block's copy warp streams the block's
+// share of every weight matrix, layer after layer, into a ring of shared-memory stages with bulk copies
+// (and, after each layer's qkv stages, the K and V rows its attention split reads), so weights keep
+// arriving while the compute warps wait for a projection's input or run attention. Every compute warp works
+// on every stage (tensor-core dot products, the MMA diagonal of gemv.cu). Activations pass between blocks
+// as LL words (two bf16 and a flag naming step, layer and phase, in one 8-byte store): a reader polls the
+// words themselves, so a dependency costs one trip through L2, not a release, a counter and a second read.
+// The copy warp keeps ~64 KB per SM in flight: more queues in the memory system ahead of those reads.
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
@@ -31,14 +35,11 @@ struct PersistentArgs {
   int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
   float* ws;      // persistent_ws_floats(): attention split partials
   uint64_t* trace;  // profiling: [blocks][kPersistentEvents] globaltimer ns of layer kPersistentTraceLayer, or null
-  int debug;        // profiling (bits 0-1 give wrong outputs): bit 0 waits for no counter, bit 1 skips attention,
-                    // bit 2 backs off between polls, bit 3 puts every arrival on one line
 };
 
 constexpr int kPersistentEvents = 32;
 constexpr int kPersistentTraceLayer = 10;
-// Profiling switches read at launch: the debug mask above, and a trace buffer (allocated on first use).
-int& persistent_debug();
+// Profiling: a trace buffer read at launch (allocated on first use).
 void persistent_trace_enable(bool on);
 uint64_t* persistent_trace();             // the device buffer [SMs][kPersistentEvents] while enabled, else null
 const uint64_t* persistent_trace_data();  // the buffer itself (null before the first enable)
@@ -56,9 +57,7 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 // A/B switch (default 1): batch-1 decode buckets run their layers through persistent_layers() where it
 // fits; 0 keeps the kernel-per-operation path. Set before an engine captures its graphs.
 int& persistent_decode();
-// Most weight stages a block has requested and not yet received (0: as many as the ring holds).
+// Most stages a block has requested and not yet received: -1 (default) ~64 KB, 0 as many as the ring holds.
 int& persistent_inflight();
-// Target bytes of a ring stage, in KB (a stage holds at least one row pair).
-int& persistent_stage_kb();
 
 }  // namespace oi

@@ -86,7 +86,6 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     pa.counters = a.layer_counters;
     pa.ws = a.layer_ws;
     pa.trace = persistent_trace();
-    pa.debug = persistent_debug();
     persistent_layers(pa, num_sms, s);
   }
   for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
