@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_util import requires_gpu
+from gpu_util import rel_err, requires_gpu
 
 pytestmark = requires_gpu
 
@@ -195,6 +195,7 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
         ids = np.random.default_rng(k).integers(0, 151643, B).astype(np.int32)
         steps.append((ids, p, qsl, ctx + k, bt.copy(), slots, *args[6:]))
     outs = []
+    _engine.ops.persistent_decode(0)  # batch 1: the decode bucket's kernels, not the persistent kernel
     for fused in (True, False):
         _engine.ops.attention_fuse_rope(fused)
         _engine.ops.attention_key_warps(kernel == "key warps")  # one warp: one-warp blocks and clusters
@@ -205,9 +206,80 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
             _engine.ops.attention_fuse_rope(True)
             _engine.ops.attention_key_warps(1)
             _engine.ops.attention_cluster_cap(0)
+    _engine.ops.persistent_decode(1)
     for f, u in zip(*outs):
         np.testing.assert_array_equal(f.tokens, u.tokens)
         np.testing.assert_array_equal(f.logprobs, u.logprobs)
+
+
+def _prefill_chunks(backend, n, rng, first_block, chunk=4096):
+    """One sequence's n-token prompt prefilled chunk by chunk, with room for three more tokens; returns
+    its block table [1, blocks]."""
+    bt = np.array([list(range(first_block, first_block + -(-(n + 3) // 16)))], np.int32)
+    one = np.zeros(1, np.float32)
+    for p0 in range(0, n, chunk):
+        m = min(chunk, n - p0)
+        pos = np.arange(p0, p0 + m, dtype=np.int32)
+        backend.step(rng.integers(0, 151643, m).astype(np.int32), pos, np.array([0, m], np.int32),
+                     np.array([p0 + m], np.int32), bt, (bt[0, pos // 16] * 16 + pos % 16).astype(np.int32),
+                     np.array([m - 1], np.int32), one, one + 1, np.zeros(1, np.int32), np.zeros(1, np.uint64))
+    return bt
+
+
+def _persistent_vs_kernels(backend, n, rng):
+    """Three batch-1 decode steps after an n-token prompt, eagerly through the decode bucket, with every
+    layer in the persistent kernel and kernel by kernel; each variant's later steps read the K/V its
+    earlier steps wrote. Returns (error of the persistent kernel's logits against the kernel path's,
+    the spread between two kernel paths that differ only in summation order: every projection's dot
+    products on the tensor cores or on CUDA cores)."""
+    from openinfer import _engine
+
+    bt = _prefill_chunks(backend, n, rng, 1)
+    steps = []
+    for k in range(3):
+        p = np.array([n + k], np.int32)
+        steps.append((rng.integers(0, 151643, 1).astype(np.int32), p, np.array([0, 1], np.int32), p + 1, bt,
+                      (bt[0, p // 16] * 16 + p % 16).astype(np.int32), np.zeros(1, np.int32),
+                      np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.uint64)))
+    outs = {}
+    for name, persistent, tc in (("persistent", 1, 1), ("kernels", 0, 1), ("tensor cores", 0, 2), ("cuda cores", 0, 0)):
+        _engine.ops.persistent_decode(persistent)
+        _engine.ops.gemv_tensor_cores(tc)
+        try:
+            outs[name] = [backend.step(*a, force_eager=True, return_logits=True).logits for a in steps]
+        finally:
+            _engine.ops.persistent_decode(1)
+            _engine.ops.gemv_tensor_cores(1)
+    err = max(rel_err(x, y) for x, y in zip(outs["persistent"], outs["kernels"]))
+    spread = max(rel_err(x, y) for x, y in zip(outs["tensor cores"], outs["cuda cores"]))
+    return err, spread
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 63, 64, 65, 700, 1023, 2047, 4000, 8000])
+def test_persistent_layers_match_kernels(engine, n):
+    """Batch-1 decode buckets run every layer in one persistent kernel (kernels/persistent.cu). Its logits
+    match the kernel-by-kernel path's within twice the spread of two valid summation orders, at contexts
+    on split and block edges (splits of >= 64 keys, up to 16 per KV head, the newest key in the last)."""
+    from openinfer import _engine
+
+    assert _engine.ops.persistent_fits(2560, 9728, 32, 8, 128)
+    err, spread = _persistent_vs_kernels(engine.llm_engine.backend, n, np.random.default_rng(300 + n))
+    assert 0 < spread and err <= 2 * spread, (err, spread)
+
+
+def test_persistent_layers_match_kernels_32k(tmp_path):
+    """The same at a 32k context: 2048 keys per split."""
+    import openinfer
+
+    d = _config_dir(tmp_path, "qwen3-4b")
+    # the utilization counts the whole device, and the module's engine holds 0.45 of it
+    eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=32768 + 64, max_num_seqs=4,
+                           gpu_memory_utilization=0.85)
+    try:
+        err, spread = _persistent_vs_kernels(eng.llm_engine.backend, 32768 - 3, np.random.default_rng(7))
+    finally:
+        eng.close()
+    assert 0 < spread and err <= 2 * spread, (err, spread)
 
 
 def test_graph_buckets(engine):

@@ -282,6 +282,27 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("gemv_takes_tensor_cores", [](int M, int K, int in_mode, int out_mode) {
     return gemv_takes_tensor_cores(M, K, (GemvIn)in_mode, (GemvOut)out_mode);
   }, "whether the fused GEMV takes the tensor-core kernel for M rows, K and the prologue/epilogue (host only)");
+  ops.def("persistent_decode", [](int on) { persistent_decode() = on != 0; },
+          "batch-1 decode buckets run every layer in one persistent kernel where it fits (1, default) or kernel by "
+          "kernel (0); read when a bucket is launched or captured");
+  ops.def("persistent_fits", [](int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
+    return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
+  }, "whether persistent_layers() serves this geometry on the current device");
+  ops.def("persistent_inflight", [](int n) { persistent_inflight() = n; },
+          "stages a block of persistent_layers() keeps requested and not yet landed (-1: ~64 KB, the default; 0: the ring bounds them)");
+  ops.def("persistent_trace", [](bool on) {
+    persistent_trace_enable(on);
+    py::array_t<uint64_t> out;
+    if (!on && persistent_trace_data()) {
+      int sms = 0, dev = 0;
+      OI_CUDA_CHECK(cudaGetDevice(&dev));
+      OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+      out = py::array_t<uint64_t>({sms, kPersistentEvents});
+      OI_CUDA_CHECK(cudaDeviceSynchronize());
+      OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), persistent_trace_data(), out.nbytes(), cudaMemcpyDeviceToHost));
+    }
+    return out;
+  }, "profiling: trace layer 10 of later persistent launches (True), or stop and return [SMs, 32] globaltimer ns (False)");
   ops.def("gemv_fp32_input", [](int on) { gemv_fp32_input() = on != 0; },
           "A/B: the fused GEMV's input staged as fp32 where it fits (1, default) or as bf16 (0)");
   ops.def("model_skip_kernels", [](int mask) { model_skip_kernels() = mask; },

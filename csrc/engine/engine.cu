@@ -239,6 +239,17 @@ int64_t Engine::finalize() {
   const size_t counter_bytes = (size_t)(T + S + 1) * d_.kv_heads * sizeof(int);  // work items <= T + S + 1
   act_.attn_counters = static_cast<int*>(alloc(counter_bytes, &act_bytes_));
   OI_CUDA_CHECK(cudaMemset(act_.attn_counters, 0, counter_bytes));
+  if (persistent_fits(d_.hidden, d_.intermediate, d_.heads, d_.kv_heads, d_.head_dim)) {
+    const size_t lw_bytes = w_.layers.size() * sizeof(LayerWeights);
+    LayerWeights* dl = static_cast<LayerWeights*>(alloc(lw_bytes, &act_bytes_));
+    OI_CUDA_CHECK(cudaMemcpy(dl, w_.layers.data(), lw_bytes, cudaMemcpyHostToDevice));
+    w_.dev_layers = dl;
+    act_.layer_counters =
+        static_cast<int*>(alloc(persistent_counter_ints(d_.layers, d_.kv_heads) * sizeof(int), &act_bytes_));
+    const size_t ws_bytes = persistent_ws_floats(d_.hidden, d_.intermediate, d_.heads, d_.kv_heads) * sizeof(float);
+    act_.layer_ws = static_cast<float*>(alloc(ws_bytes, &act_bytes_));
+    OI_CUDA_CHECK(cudaMemset(act_.layer_ws, 0, ws_bytes));
+  }
 
   const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.block_size - 1) / opt_.block_size;
   meta_in_bytes_ = align_up(3 * T * 4) + align_up(B_cap_bytes(S)) + align_up(S * max_blocks_per_seq * 4) +
@@ -383,7 +394,9 @@ void Engine::capture_graphs() {
 // The step is only queued: its inputs go through one of two pinned arena images, so the next launch can
 // be staged while this one runs; finish_graph() waits for it.
 bool Engine::launch_graph(const HostStep& in) {
-  if (graphs_.empty() || in.T != in.B || in.S != in.B || in.num_logprobs != 0 || in.return_logits) return false;
+  // Logits only eagerly (tests compare a bucket's kernels through them; a graph has no copy for them).
+  if (graphs_.empty() || in.T != in.B || in.S != in.B || in.num_logprobs != 0 || (in.return_logits && !in.force_eager))
+    return false;
   const int B = in.B;
   const Graph* g = nullptr;
   for (const auto& c : graphs_)
@@ -436,11 +449,15 @@ bool Engine::launch_graph(const HostStep& in) {
   OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
   OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bytes - ga_.tokens, cudaMemcpyDeviceToHost,
                                 stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
   Pending p;
   p.graph = true;
   p.slot = slot;
   p.B = p.S = B;
+  if (in.return_logits) {
+    p.logits.resize((size_t)B * d_.vocab);
+    OI_CUDA_CHECK(cudaMemcpyAsync(p.logits.data(), act_.logits, p.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
+  }
+  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
   pending_.push_back(std::move(p));
   last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens);
   graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
@@ -457,6 +474,7 @@ StepResult Engine::finish_graph(const Pending& p) {
   out.tokens.assign(tok, tok + p.B);
   const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
   out.logprobs.assign(lp, lp + p.B);
+  out.logits = p.logits;
   return out;
 }
 

@@ -3,6 +3,7 @@
 #include "async_copy.cuh"
 #include "gemv.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 
 namespace oi {
 namespace {
@@ -280,14 +281,6 @@ __global__ void __launch_bounds__(kThreads, MT == 1 ? 3 : 2) gemv_kernel(GemvArg
     }
     if (more) __syncthreads();  // red[] is reused by the next tile
   }
-}
-
-// One m16n8k16 MMA (bf16 in, fp32 accumulate): d += A * B with A 16x16 (4 regs), B 16x8 (2 regs).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-               : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // The same GEMV with its dot products on the tensor cores: the loads are the register kernel's (a lane's

@@ -60,7 +60,35 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   at.cos_sin = rope;
   at.slots = m.slots;
   at.eps = d.eps;
-  for (int l = 0; l < d.layers; ++l) {
+  // Batch-1 decode: every layer in one persistent kernel where the geometry fits (kernels/persistent.cuh).
+  const bool persistent = T == 1 && m.fuse_rope && persistent_decode() && !model_skip_kernels() && w.dev_layers &&
+                          persistent_fits(H, I, d.heads, d.kv_heads, d.head_dim);
+  if (persistent) {
+    PersistentArgs pa{};
+    pa.layers = w.dev_layers;
+    pa.num_layers = d.layers;
+    pa.hidden = H;
+    pa.intermediate = I;
+    pa.heads = d.heads;
+    pa.kv_heads = d.kv_heads;
+    pa.eps = d.eps;
+    pa.x = a.x;
+    pa.qkv = a.qkv;
+    pa.attn = a.attn;
+    pa.act = a.act;
+    pa.kv_cache = kv_cache;
+    pa.kv = kv;
+    pa.positions = m.positions;
+    pa.slots = m.slots;
+    pa.context_lens = m.context_lens;
+    pa.block_tables = m.block_tables;
+    pa.cos_sin = rope;
+    pa.counters = a.layer_counters;
+    pa.ws = a.layer_ws;
+    pa.trace = persistent_trace();
+    persistent_layers(pa, num_sms, s);
+  }
+  for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
     const LayerWeights& lw = w.layers[l];
     linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
            num_sms, s);

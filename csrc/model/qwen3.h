@@ -5,6 +5,7 @@
 
 #include "../gemm/gemm.h"
 #include "../kernels/attention.cuh"
+#include "../kernels/persistent.cuh"
 #include "../kernels/rope_kv.cuh"
 #include "../kernels/sampling.cuh"
 
@@ -18,16 +19,12 @@ struct ModelDims {
   int qkv_rows() const { return (heads + 2 * kv_heads) * head_dim; }
 };
 
-struct LayerWeights {
-  bf16 *input_norm = nullptr, *post_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr;
-  bf16 *qkv = nullptr, *o = nullptr, *gate_up = nullptr, *down = nullptr;
-};
-
 struct Weights {
   bf16* embed = nullptr;
   bf16* lm_head = nullptr;  // == embed when tied
   bf16* final_norm = nullptr;
   std::vector<LayerWeights> layers;
+  const LayerWeights* dev_layers = nullptr;  // a device copy of `layers` for persistent_layers()
 };
 
 // Activation buffers sized for the largest step (max tokens, max sampled rows).
@@ -37,6 +34,8 @@ struct Activations {
   float* logits = nullptr;
   float *ws_o = nullptr, *ws_lse = nullptr;  // attention split workspace
   int* attn_counters = nullptr;               // per (work item, KV head), zeroed once
+  int* layer_counters = nullptr;              // persistent_layers(): zeroed before each launch
+  float* layer_ws = nullptr;                  // persistent_layers(): attention partials
 };
 
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).

@@ -1,0 +1,729 @@
+#include <algorithm>
+
+#include "launch.cuh"
+#include "mma.cuh"  // mbarriers, bulk copies
+#include "persistent.cuh"
+
+namespace oi {
+namespace {
+
+constexpr int kCW = 8;                      // compute warps: all of them consume every ring slot
+constexpr int kMaxSlots = 16;                // most ring slots (their mbarriers: the first 256 bytes)
+constexpr int kBarBytes = 2 * kMaxSlots * 8;
+constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
+constexpr int kCThreads = kCW * 32;          // compute threads (named barrier 1)
+constexpr int kRed = 1024;                   // per-warp partial sums of one projection's rows in a block
+constexpr int kD = 128;                      // head_dim
+constexpr int kGroup = 4;                    // query heads per KV head
+constexpr int kMaxSplits = 16;               // key splits per KV head
+constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
+constexpr int kChunk = kCW * kKeysPerWarp;
+constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
+constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
+constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
+constexpr float kNegInf = -__builtin_huge_valf();
+// Attention scratch (floats), aliased with the staged GEMV input: q [4][128], scores [4][kChunk], running
+// m / l / rescale [3][4] (+4 pad), the new token's k and v [2][128], per-warp P.V sums [kCW][4][128].
+constexpr int kScratchFloats = kGroup * kD + kGroup * kChunk + 16 + 2 * kD + kCW * kGroup * kD;
+enum { kQkv, kO, kGu, kDown, kProjs };
+
+struct Plan {
+  int slots, slot_bytes, x_bytes, smem;
+  int pairs[kProjs];   // row pairs per ring stage (gate_up: a gate row and its up row); kCW / pairs warps per pair
+  int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
+  int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
+};
+
+__device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
+__device__ __forceinline__ float bf16r(float v) { return __bfloat162float(__float2bfloat16(v)); }
+__device__ __forceinline__ void compute_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kCThreads) : "memory"); }
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
+  return t;
+}
+// Block b's share of n units (n even): even bounds, so that an LL word's two values have one writer.
+__host__ __device__ __forceinline__ int range_begin(int n, int b, int G) { return 2 * (int)((int64_t)(n / 2) * b / G); }
+
+struct Proj {
+  const bf16* W;
+  int units, K;  // gate_up: units = intermediate, gate row u and up row units + u
+};
+__device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeights& w, int P) {
+  if (P == kQkv) return {w.qkv, (a.heads + 2 * a.kv_heads) * kD, a.hidden};
+  if (P == kO) return {w.o, a.hidden, a.heads * kD};
+  if (P == kGu) return {w.gate_up, a.intermediate, a.hidden};
+  return {w.down, a.hidden, a.intermediate};
+}
+
+// The step's sequence, read once per launch: each read from global memory costs a loaded round trip, and
+// attention chained three of them (length -> key -> block table -> K/V) in every layer.
+struct StepInfo {
+  int L, pos, slot_new;
+};
+__device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& S, int& kvh, int& sp, int& k0, int& k1) {
+  S = max(1, min(min(kMaxSplits, (int)gridDim.x / a.kv_heads), (L + kMinSplitKeys - 1) / kMinSplitKeys));
+  kvh = blockIdx.x % a.kv_heads, sp = blockIdx.x / a.kv_heads;
+  const int per = (L + S - 1) / S;
+  k0 = sp * per, k1 = min(L, k0 + per);
+}
+__device__ StepInfo step_info(const PersistentArgs& a) {
+  StepInfo si;
+  si.L = a.context_lens[0], si.pos = a.positions[0], si.slot_new = a.slots[0];
+  return si;
+}
+
+// The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
+// is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
+// up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
+// has landed, so that fewer bytes queue in the memory system ahead of the counters and input reads.
+__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
+  const uint64_t policy = l2_evict_first();
+  int slot = 0, k = 0;
+  uint32_t phase = 0;
+  auto acquire = [&]() {  // the next slot, once free and (with p.inflight) once the stage p.inflight back landed
+    mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
+    if (p.inflight > 0 && k >= p.inflight) {
+      const int e = k - p.inflight;
+      mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
+    }
+  };
+  const int L = a.context_lens[0];
+  int S, kvh, sp, k0, k1;
+  attn_split(a, L, S, kvh, sp, k0, k1);
+  const bool item = (int)blockIdx.x < a.kv_heads * S;
+  const int bs = a.kv.block_size;
+  for (int l = 0; l < a.num_layers; ++l) {
+    const LayerWeights w = a.layers[l];
+    for (int P = 0; P < kProjs; ++P) {
+      const Proj pr = proj_of(a, w, P);
+      const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+      const uint32_t row_bytes = pr.K * 2;
+      const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], ks = p.ksplit[P], chunks = pr.K / 256;
+      for (int u = u0; u < u1; u += U)
+      for (int kp = 0; kp < ks; ++kp, ++k) {
+        const uint32_t bytes = min(U, u1 - u) * row_bytes;
+        acquire();
+        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
+          a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
+        unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
+        if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
+          const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
+          const uint32_t piece = (cB - cA) * 512, stride = (chunks + ks - 1) / ks * 512;
+          const int64_t rowB = P == kGu ? (int64_t)pr.units + u : u + 1;
+          mbar_expect_tx(&full[slot], 2 * piece);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K + cA * 256, piece, &full[slot], policy);
+          bulk_load(dst + stride, pr.W + rowB * pr.K + cA * 256, piece, &full[slot], policy);
+        } else if (P == kGu) {
+          mbar_expect_tx(&full[slot], 2 * bytes);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
+          bulk_load(dst + (size_t)U * row_bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
+        } else {
+          mbar_expect_tx(&full[slot], bytes);
+          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
+        }
+        if (++slot == p.slots) slot = 0, phase ^= 1;
+      }
+      // After qkv: this block's keys of earlier steps for attention, a chunk per stage (K rows, then V rows
+      // at kChunk rows), page by page; the newest key is this step's and comes from shared memory.
+      if (P == kQkv && item) {
+        const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
+        const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
+        for (int c0 = k0; c0 < k1; c0 += kChunk, ++k) {
+          const int cn = min(min(k1, c0 + kChunk), L - 1);
+          acquire();
+          unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
+          if (cn > c0) {
+            mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
+            for (int key = c0; key < cn;) {
+              const int pg = key / bs, kend = min(cn, (pg + 1) * bs);
+              const bf16* src = layer_kv + (int64_t)__ldg(a.block_tables + pg) * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
+              const uint32_t off = (key - c0) * kD * 2, bytes = (kend - key) * kD * 2;
+              bulk_load(dst + off, src, bytes, &full[slot], policy);
+              bulk_load(dst + kChunk * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
+              key = kend;
+            }
+          } else {
+            mbar_arrive(&full[slot]);  // nothing cached in this chunk: the phase completes empty
+          }
+          if (++slot == p.slots) slot = 0, phase ^= 1;
+        }
+      }
+    }
+  }
+}
+
+// Global counters, zeroed before each launch: one per layer and KV head (its splits' arrivals), on its own
+// 128-byte line.
+constexpr int kCounterInts = 32;
+
+// Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, written
+// with one store, so a reader that sees the flag sees the data. The flag names (step, layer, phase); a reader
+// polls the words themselves, with no fence, counter or second round trip.
+__device__ __forceinline__ uint4 ll_load(const uint2* p, uint32_t flag) {  // two words; spins until both carry flag
+  uint4 v;
+  do {
+    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+  } while (v.y != flag || v.w != flag);
+  return v;  // data in v.x and v.z
+}
+__device__ __forceinline__ void ll_store(uint2* p, uint32_t data, uint32_t flag) {
+  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1,%2};\n" ::"l"(p), "r"(data), "r"(flag) : "memory");
+}
+__device__ __forceinline__ void ll_store2(uint2* p, uint32_t d0, uint32_t d1, uint32_t flag) {
+  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+// A GEMV's input in shared memory as bf16, RMSNorm applied with the rmsnorm kernel's roundings (each
+// thread on the elements it staged). Another block wrote src: read through L2.
+// For a residual add (res != null) the block's rows of x are read here too, into sres, so that the
+// epilogue does not wait on L2 for each.
+template <bool NORM>
+__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
+  const int tid = threadIdx.x, lane = tid & 31;
+  float ss = 0.f;
+  for (int k = tid * 4; k < K; k += kCThreads * 4) {
+    const uint4 v = ll_load(src + k / 2, flag);
+    *reinterpret_cast<uint2*>(sx + k) = make_uint2(v.x, v.z);
+    if (NORM) {
+      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
+      const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.z));
+      ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
+    }
+  }
+  if (NORM) {
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (lane == 0) red[tid >> 5] = ss;
+    compute_sync();
+    float tot = 0.f;
+#pragma unroll
+    for (int w = 0; w < kCW; ++w) tot += red[w];
+    const float rstd = rsqrtf(tot / K + eps);
+    for (int k = tid * 4; k < K; k += kCThreads * 4) {
+      const uint2 wv = __ldg(reinterpret_cast<const uint2*>(nw + k));
+      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
+      uint2 v = *reinterpret_cast<const uint2*>(sx + k);
+      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
+#pragma unroll
+      for (int q = 0; q < 2; ++q) {
+        const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
+        const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
+        o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
+      }
+      *reinterpret_cast<uint2*>(sx + k) = v;
+    }
+  }
+  compute_sync();
+}
+
+// One step of a reduction of 2N of T values per lane across the warp: lanes with bit O of their index set
+// keep the upper N sums, the others the lower N (exchanging the halves they drop with lane ^ O).
+template <int N, int O, int T>
+__device__ __forceinline__ void halve(float (&v)[T], int lane) {
+  const bool up = lane & O;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const float send = up ? v[i] : v[i + N], keep = up ? v[i + N] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+  }
+}
+
+// One projection: the block's rows [u0, u1), ring stage by ring stage, every compute warp on every stage.
+// Warp w takes row pair j = w / parts of the stage over chunks [s, s + 1) * chunks / parts of K (s = w %
+// parts), with the dot products on the tensor cores as in gemv.cu (the MMA diagonal: lane (g, t) puts its
+// 16 bytes of row A in MMA row g and of row B in row g + 8, its input elements in B column g). Each warp's
+// two sums per stage go to shared memory; after the last stage the block adds the parts in order
+// (deterministic) and writes the outputs.
+__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
+                                           float* sres, float* red, const unsigned char* ring, uint64_t* full,
+                                           uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr, uint2* out,
+                                           uint32_t flag) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs, ks = p.ksplit[P];
+  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per row group
+  const int j = warp / parts, sp = warp % parts;
+  const int rs = ks == 1 ? K : (chunks + ks - 1) / ks * 256;  // a row's stride in the stage
+  const int offA = (P == kGu ? j : 2 * j) * rs, offB = (P == kGu ? pairs + j : 2 * j + 1) * rs;
+  const bool trw = tr && lane == 0 && warp == 1 && P == kO;
+  const bool diag = t == (g >> 1);
+  // A stage's two sums per warp are reduced across lanes during the next stage's MMAs (the shuffles' latency
+  // then overlaps theirs).
+  float pva = 0.f, pvb = 0.f;
+  int pst = -1;
+  auto flush = [&]() {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      pva += __shfl_xor_sync(0xffffffffu, pva, o);
+      pvb += __shfl_xor_sync(0xffffffffu, pvb, o);
+    }
+    if (lane == 0) *reinterpret_cast<float2*>(red + ((pst * pairs + j) * parts + sp) * 2) = make_float2(pva, pvb);
+  };
+  int cA = 0, c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;  // ks == 1: every stage alike
+  int st = 0;
+  for (int u = u0; u < u1; u += U)
+  for (int kp = 0; kp < ks; ++kp, ++st) {
+    if (ks > 1) {
+      cA = kp * chunks / ks;
+      const int n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
+      c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;  // this warp's, from the stage's start
+    }
+    const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
+    mbar_wait(&full[slot], phase);
+    if (trw && st == 0) tr[29] = now_ns();
+    float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};  // two chains of MMAs
+#pragma unroll 4
+    for (int c = c0; c < c1; ++c) {
+      const int e = c * 256 + lane * 8;
+      const uint4 wa = *reinterpret_cast<const uint4*>(sw + offA + e);
+      const uint4 wb = *reinterpret_cast<const uint4*>(sw + offB + e);
+      const uint4 xv = *reinterpret_cast<const uint4*>(sx + cA * 256 + e);
+      mma_bf16(d0, wa.x, wb.x, wa.y, wb.y, xv.x, xv.y);
+      mma_bf16(d1, wa.z, wb.z, wa.w, wb.w, xv.z, xv.w);
+    }
+    if (pst >= 0) flush();
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);  // every warp's loads are done: the copy warp may refill it
+    if (++slot == p.slots) slot = 0, phase ^= 1;
+    // The diagonal: lane (g, g / 2) holds C[g][g] (row A) in d[g & 1] and C[g + 8][g] (row B) in d[2 + (g & 1)].
+    pva = diag ? ((g & 1) ? d0[1] + d1[1] : d0[0] + d1[0]) : 0.f;
+    pvb = diag ? ((g & 1) ? d0[3] + d1[3] : d0[2] + d1[2]) : 0.f;
+    pst = st;
+    if (trw) tr[31] = now_ns();
+  }
+  if (pst >= 0) flush();
+  compute_sync();
+  // One thread per two outputs (one LL word): the parts summed in order.
+  const int n = u1 - u0;
+  for (int q0 = 2 * tid; q0 < n; q0 += 2 * kCThreads) {
+    float y[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int q = q0 + h, s0 = q / U, r = q % U;
+      const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
+      float v = 0.f, up = 0.f;
+      for (int kp = 0; kp < ks; ++kp) {
+        const float* rp = red + (((s0 * ks + kp) * pairs + jj) * parts) * 2;
+        for (int s2 = 0; s2 < parts; ++s2) v += rp[2 * s2 + which], up += rp[2 * s2 + 1];
+      }
+      if (P == kGu) {
+        y[h] = silu(bf16r(v)) * bf16r(up);
+      } else if (P == kQkv) {
+        y[h] = v;
+      } else {  // o, down: the residual add; the block keeps its rows of x in shared memory
+        y[h] = bf16r(v + sres[q]);
+        sres[q] = y[h];
+        if (P == kDown) a.x[u0 + q] = __float2bfloat16(y[h]);  // the plain stream, for lm_head after the last layer
+      }
+    }
+    ll_store(out + (u0 + q0) / 2, pack2(y[0], y[1]), flag);
+  }
+}
+
+// Decode attention of this layer for the one sequence: block b < kv_heads * S takes KV head b % kv_heads
+// and key split b / kv_heads, with the group's 4 query heads. q/k RMSNorm + RoPE and the K/V write of the
+// new token happen here; its k and v are used from shared memory. Splits merge in the last block to
+// arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
+// lane), requested before this layer's qkv is complete.
+__device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
+                                int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
+                                uint32_t f_attn, const StepInfo& si, const Plan& p, const unsigned char* ring,
+                                uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  auto mark = [&](int e) {
+    if (tr) tr[e] = now_ns();
+  };
+  const int KVH = a.kv_heads, L = si.L, pos = si.pos;
+  int S, kvh, sp, k0, k1;
+  attn_split(a, L, S, kvh, sp, k0, k1);
+  const bool item = (int)blockIdx.x < KVH * S;
+
+  // A warp's 8 keys of a chunk, from the ring stage the copy warp filled (produce()); lane: 4 dims of each.
+  uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
+  auto load_chunk = [&](int c0) {
+    mbar_wait(&full[slot], phase);
+    const unsigned char* st = ring + (size_t)slot * p.slot_bytes;
+#pragma unroll
+    for (int r = 0; r < kKeysPerWarp; ++r) {
+      const int key = c0 + warp * kKeysPerWarp + r;
+      const bool ok = key < k1 && key < L - 1;
+      const int off = (key - c0) * kD * 2 + lane * 8;
+      kr[r] = ok ? *reinterpret_cast<const uint2*>(st + off) : make_uint2(0, 0);
+      vr[r] = ok ? *reinterpret_cast<const uint2*>(st + kChunk * kD * 2 + off) : make_uint2(0, 0);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (++slot == p.slots) slot = 0, phase ^= 1;
+  };
+  if (!item) return;
+  load_chunk(k0);  // keys of earlier steps: no dependency on this layer
+  mark(22);
+
+  float* sq = scratch;                // [4][128]
+  float* ssc = sq + kGroup * kD;      // [4][kChunk]
+  float* stat = ssc + kGroup * kChunk;  // m [4], l [4], rescale [4]
+  float* snew = stat + 16;            // k [128], v [128]
+  float* sacc = snew + 2 * kD;        // [kCW][4][128]
+  const float2* cs = a.cos_sin + (int64_t)pos * (kD / 2);
+  auto put4 = [&](float* dst, uint2 r) {
+    const float2 x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
+    const float2 y = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.y));
+    *reinterpret_cast<float4*>(dst + lane * 4) = make_float4(x.x, x.y, y.x, y.y);
+  };
+  const int slot_new = si.slot_new;
+  if (warp < kGroup) {
+    const uint4 v = ll_load(qkv_ll + ((kvh * kGroup + warp) * kD + lane * 4) / 2, f_qkv);
+    const uint2 raw = make_uint2(v.x, v.z);
+    put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
+  } else if (k1 == L && warp < kGroup + 2) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
+    const bool is_v = warp == kGroup + 1;
+    const uint4 v = ll_load(qkv_ll + ((a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4) / 2, f_qkv);
+    const uint2 raw = make_uint2(v.x, v.z);
+    const uint2 r = is_v ? raw : qk_norm_rope_lane(raw, w.k_norm, cs, a.eps, lane);
+    put4(snew + (is_v ? kD : 0), r);
+    if (slot_new >= 0)
+      *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, l, slot_new, kvh, is_v) + lane * 4) = r;
+  }
+  compute_sync();
+  mark(23);
+
+  const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
+  float q[kGroup][4], acc[kGroup][4];
+#pragma unroll
+  for (int h = 0; h < kGroup; ++h) {
+    const float4 v = *reinterpret_cast<const float4*>(sq + h * kD + lane * 4);
+    q[h][0] = v.x, q[h][1] = v.y, q[h][2] = v.z, q[h][3] = v.w;
+    acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+  }
+  auto f4 = [&](uint2 r, int key, int off, float (&x)[4]) {
+    if (key == L - 1) {
+      const float4 v = *reinterpret_cast<const float4*>(snew + off + lane * 4);
+      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    } else {
+      const float2 p = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
+      const float2 s = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.y));
+      x[0] = p.x, x[1] = p.y, x[2] = s.x, x[3] = s.y;
+    }
+  };
+  // Each warp keeps its own running max and sum per head over its keys (no block barrier per chunk); the
+  // warps merge once at the end, as splits do.
+  float m_run = kNegInf, l_run = 0.f;  // of head lane % 4
+  for (int c0 = k0; c0 < k1; c0 += kChunk) {
+    if (c0 != k0) load_chunk(c0);
+    const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
+    // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
+    // lane l ends with index l, i.e. key l / 4 and head l % 4.
+    float v[kKeysPerWarp * kGroup];
+#pragma unroll
+    for (int r = 0; r < kKeysPerWarp; ++r) {
+      float kf[4];
+      f4(kr[r], kb + r, 0, kf);
+#pragma unroll
+      for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
+    }
+    halve<16, 16, kKeysPerWarp * kGroup>(v, lane);
+    halve<8, 8, kKeysPerWarp * kGroup>(v, lane);
+    halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
+    halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
+    halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
+    const float sc = kb + (lane >> 2) < k1 ? v[0] * scale_log2 : kNegInf;
+    float cm = sc;  // the chunk's max of head hl over the warp's 8 keys (lanes alike in bits 0-1)
+    for (int o = 4; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
+    const float m_new = fmaxf(m_run, cm);
+    const float pj = sc == kNegInf ? 0.f : exp2f(sc - m_new);
+    float sum = pj;
+    for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    const float alpha = m_run == kNegInf ? 0.f : exp2f(m_run - m_new);
+    l_run = l_run * alpha + sum;
+    m_run = m_new;
+#pragma unroll
+    for (int h = 0; h < kGroup; ++h) {
+      const float al = __shfl_sync(0xffffffffu, alpha, h);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[h][i] *= al;
+    }
+#pragma unroll
+    for (int r = 0; r < kKeysPerWarp; ++r) {
+      float vf[4];
+      f4(vr[r], kb + r, kD, vf);
+#pragma unroll
+      for (int h = 0; h < kGroup; ++h) {
+        const float pr = __shfl_sync(0xffffffffu, pj, r * kGroup + h);  // 0 past the split's end
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[h][i] += pr * vf[i];
+      }
+    }
+  }
+  mark(26);
+
+  // This split's partial: the warps' P.V rescaled to the block's max and summed, with m and l.
+#pragma unroll
+  for (int h = 0; h < kGroup; ++h)
+    *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
+  float* wstat = ssc;  // [kCW][2][4]: each warp's m and l per head
+  if (lane < kGroup) wstat[warp * 8 + lane] = m_run, wstat[warp * 8 + 4 + lane] = l_run;
+  compute_sync();
+  float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
+  for (int e = tid; e < kGroup * kD; e += kCThreads) {
+    const int h = e / kD;
+    float M = kNegInf;
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) M = fmaxf(M, wstat[w2 * 8 + h]);
+    float s = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) {
+      const float mw = wstat[w2 * 8 + h];
+      s += mw == kNegInf ? 0.f : exp2f(mw - M) * sacc[w2 * kGroup * kD + e];
+    }
+    part[e] = s;
+  }
+  if (tid < kGroup) {
+    float M = kNegInf, l = 0.f;
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) M = fmaxf(M, wstat[w2 * 8 + tid]);
+#pragma unroll
+    for (int w2 = 0; w2 < kCW; ++w2) {
+      const float mw = wstat[w2 * 8 + tid];
+      l += mw == kNegInf ? 0.f : exp2f(mw - M) * wstat[w2 * 8 + 4 + tid];
+    }
+    part[kGroup * kD + tid] = M, part[kGroup * kD + kGroup + tid] = l;
+  }
+  compute_sync();
+  if (tid == 0) {  // acq_rel: releases this block's partial, acquires the others' for the last
+    int old;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ctr + kvh * kCounterInts) : "memory");
+    *flag = old == S - 1;
+  }
+  compute_sync();
+  mark(27);
+  if (!*flag) return;
+  // The merge: thread t < 128 takes 4 elements of head t / 32, with every split's m, l and partial
+  // requested at once (one round trip).
+  const float* base = a.ws + (int64_t)kvh * kMaxSplits * kPartial;
+  if (tid < kGroup * kD / 4) {
+    const int h = tid / (kD / 4);
+    float m[kMaxSplits], ls[kMaxSplits];
+    float4 o[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float* ps = base + s * kPartial;
+      m[s] = s < S ? __ldcg(ps + kGroup * kD + h) : kNegInf;
+      ls[s] = s < S ? __ldcg(ps + kGroup * kD + kGroup + h) : 0.f;
+      o[s] = s < S ? __ldcg(reinterpret_cast<const float4*>(ps) + tid) : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    float M = kNegInf, den = 0.f;
+    float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) M = fmaxf(M, m[s]);
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) {
+      const float wgt = m[s] == kNegInf ? 0.f : exp2f(m[s] - M);
+      den += wgt * ls[s];
+      num.x += wgt * o[s].x, num.y += wgt * o[s].y, num.z += wgt * o[s].z, num.w += wgt * o[s].w;
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    ll_store2(attn_ll + (kvh * kGroup * kD + tid * 4) / 2, pack2(num.x * inv, num.y * inv), pack2(num.z * inv, num.w * inv),
+              f_attn);
+  }
+  mark(28);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs a, Plan p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kMaxSlots;
+  bf16* sx = reinterpret_cast<bf16*>(smem + kBarBytes);  // staged input, or the attention scratch
+  unsigned char* ring = smem + kBarBytes + p.x_bytes;
+  __shared__ float red[kCW];
+  __shared__ __align__(16) float gred[kRed];
+  __shared__ float sres[kMaxRowsPerBlock];
+  __shared__ int flag;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
+    mbar_init_fence();
+  }
+  __syncthreads();
+  if (threadIdx.x >= kCThreads) {
+    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
+    return;
+  }
+  const int G = gridDim.x, H = a.hidden, per_layer = a.kv_heads * kCounterInts, tid = threadIdx.x;
+  // LL buffers after the attention partials (persistent_ws_floats()), then the step counter.
+  uint2* x_ll = reinterpret_cast<uint2*>(a.ws + (int64_t)a.kv_heads * kMaxSplits * kPartial);
+  uint2* qkv_ll = x_ll + H / 2;
+  uint2* attn_ll = qkv_ll + (a.heads + 2 * a.kv_heads) * kD / 2;
+  uint2* act_ll = attn_ll + a.heads * kD / 2;
+  uint32_t* epoch = reinterpret_cast<uint32_t*>(act_ll + a.intermediate / 2);
+  // Flags: layer l's phases are base + 8 l + {1: x in, 2: qkv, 3: attention, 4: x after o, 5: SiLU·up}; every
+  // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
+  const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
+  const StepInfo si = step_info(a);
+  // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
+  {
+    const int r0 = range_begin(H, blockIdx.x, G), nr = range_begin(H, blockIdx.x + 1, G) - r0;
+    for (int q = 2 * tid; q < nr; q += 2 * kCThreads) {
+      const float x0 = __bfloat162float(__ldcg(a.x + r0 + q)), x1 = __bfloat162float(__ldcg(a.x + r0 + q + 1));
+      sres[q] = x0, sres[q + 1] = x1;
+      ll_store(x_ll + (r0 + q) / 2, pack2(x0, x1), base + 1);
+    }
+  }
+  int slot = 0;
+  uint32_t phase = 0;
+  for (int l = 0; l < a.num_layers; ++l) {
+    const LayerWeights w = a.layers[l];
+    const uint32_t F = base + 8u * l;
+    int* ctr = a.counters + l * per_layer;
+    uint64_t* tr = a.trace && l == kPersistentTraceLayer && tid == 0 ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
+    auto mark = [&](int e) {
+      if (tr) tr[e] = now_ns();
+    };
+    mark(0);
+    // One call site per phase function, so that each is inlined once: the projections in order, each
+    // staging its input from the LL words of every block (with RMSNorm for qkv and gate_up), then streaming
+    // its stages and publishing its outputs; attention after qkv.
+    for (int P = 0; P < kProjs; ++P) {
+      const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
+      mark(ev);
+      if (P == kQkv || P == kGu)
+        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
+      else
+        stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
+                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
+      mark(ev + 1);
+      uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
+      const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
+      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
+                 a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
+      mark(ev + 2);
+      if (P == kQkv) {
+        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, si, p, ring,
+                        full, empty, slot, phase);
+        mark(4);
+      }
+    }
+  }
+  if (blockIdx.x == 0 && tid == 0) *epoch = base + 8u * (a.num_layers + 2);
+}
+
+int smem_optin() {
+  static int v = 0;
+  if (v == 0) {
+    int dev = 0;
+    OI_CUDA_CHECK(cudaGetDevice(&dev));
+    OI_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  }
+  return v;
+}
+
+// Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit kStageTarget, or a pair's piece of K where one pair
+// is larger; the slot is the largest stage (or a chunk of attention's K and V). Smaller stages measured slower
+// (20 KB: 4B batch 1 3.3 ms against 2.7 at the time): each stage costs the consumers ~0.45 us.
+constexpr int kStageTarget = 40 * 1024;
+Plan make_plan(int H, int I, int heads, int inflight) {
+  const int stage_target = kStageTarget;
+  Plan p{};
+  const int K[kProjs] = {H, heads * kD, H, I};
+  const int x_elems = std::max({H, heads * kD, I});
+  p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
+  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
+  for (int P = 0; P < kProjs; ++P) {
+    const int pair_bytes = 2 * K[P] * 2, chunks = K[P] / 256;
+    int n = 1, ks = 1;
+    while (n < kCW && 2 * n * pair_bytes <= stage_target) n *= 2;
+    while (pair_bytes / ks > stage_target && ks < chunks) ++ks;
+    p.pairs[P] = n, p.ksplit[P] = ks;
+    p.slot_bytes = std::max(p.slot_bytes, ks == 1 ? n * pair_bytes : 2 * ((chunks + ks - 1) / ks) * 512);
+  }
+  p.slot_bytes = std::max(p.slot_bytes, 2 * kChunk * kD * 2);  // a chunk of attention's K and V
+  p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
+  p.smem = kBarBytes + p.x_bytes + p.slots * p.slot_bytes;
+  // Stages in flight: enough for ~64 KB per SM (4B: one 40 KB stage, 8B: two of 32 KB measured fastest; more
+  // queue in the memory system ahead of the latency-bound reads, fewer leave it idle). Below the slot count: the
+  // throttle waits on the latest stage of a slot.
+  if (inflight < 0) inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
+  p.inflight = inflight < p.slots ? inflight : 0;
+  return p;
+}
+
+// Whether one projection's per-warp sums fit gred in every block.
+bool plan_red_fits(const Plan& p, int H, int I, int heads, int qkv_rows, int num_sms) {
+  const int units[kProjs] = {qkv_rows, H, I, H};
+  for (int P = 0; P < kProjs; ++P) {
+    const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P];
+    const int per_block = (units[P] + num_sms - 1) / num_sms + 1;  // even bounds: one more at most
+    if ((per_block + U - 1) / U * p.ksplit[P] * kCW * 2 > kRed) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+namespace {
+uint64_t* g_trace = nullptr;
+bool g_trace_on = false;
+int g_trace_sms() {
+  int dev = 0, sms = 0;
+  OI_CUDA_CHECK(cudaGetDevice(&dev));
+  OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+}  // namespace
+
+void persistent_trace_enable(bool on) {
+  if (on && !g_trace) OI_CUDA_CHECK(cudaMalloc(&g_trace, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
+  if (on) OI_CUDA_CHECK(cudaMemset(g_trace, 0, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
+  g_trace_on = on;
+}
+
+uint64_t* persistent_trace() { return g_trace_on ? g_trace : nullptr; }
+const uint64_t* persistent_trace_data() { return g_trace; }
+
+int& persistent_inflight() {
+  static int n = -1;
+  return n;
+}
+
+int& persistent_decode() {
+  static int mode = 1;
+  return mode;
+}
+
+bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
+  if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
+  return make_plan(hidden, intermediate, heads, 0).slots >= 2;
+}
+
+int64_t persistent_counter_ints(int num_layers, int kv_heads) {
+  return (int64_t)num_layers * kv_heads * kCounterInts;
+}
+int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
+  const int64_t ll_words = hidden / 2 + (heads + 2 * kv_heads) * kD / 2 + heads * kD / 2 + intermediate / 2;
+  return (int64_t)kv_heads * kMaxSplits * kPartial + 2 * ll_words + 4;  // + the step counter
+}
+
+void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
+  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
+  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kChunk * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
+               plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
+           "persistent_layers: geometry does not fit");
+  static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
+  if (p.smem > configured) {
+    OI_CUDA_CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem));
+    configured = p.smem;
+  }
+  OI_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, persistent_counter_ints(a.num_layers, a.kv_heads) * sizeof(int), s));
+  cudaLaunchAttribute coop{};
+  coop.id = cudaLaunchAttributeCooperative;  // every block resident: the counters are waited on
+  coop.val.cooperative = 1;
+  OI_CUDA_CHECK(launch_kernel(false, persistent_kernel, dim3(num_sms), dim3(kThreads), p.smem, s, &coop, a, p));
+}
+
+}  // namespace oi
