@@ -637,16 +637,24 @@ def test_small_bodies_tokenize_inline_large_ones_in_a_worker_thread(server):
 
 
 def test_completions_n_choices(server, client):
-    """n samples per prompt: choice i * n + j is prompt i's j-th; with a seed, choice j = 0 is the n = 1
-    answer and the others sample with their own seeds (they differ, and repeat on a second request);
-    the stream carries the same texts; prompt tokens are counted once per prompt."""
+    """n samples per prompt: choice i * n + j is prompt i's j-th; with a seed, choice j = 0 samples with
+    the request's seed (as the n = 1 request does) and the others with their own (they differ, and
+    repeat on a second request); the stream carries the same texts; prompt tokens are counted once per
+    prompt. (Choice 0's text is not compared with the n = 1 answer's: the two run at different batch
+    sizes, whose kernels differ in the logits' last bits, and a random-weight model's near-flat
+    distributions turn that into a different sample.)"""
+    from openinfer import SamplingParams
+    from openinfer.server.app import _choices
+
+    base = SamplingParams(temperature=1.0, seed=123, max_tokens=8)
+    ps = _choices(base, 3)
+    assert ps[0] == base and len({p.seed for p in ps}) == 3 and all(p.temperature == 1.0 for p in ps)
     kw = dict(model=NAME, max_tokens=8, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
     prompts = ["Once upon a time", "The weather today"]
     r = client.completions.create(prompt=prompts, n=3, **kw)
     assert [c.index for c in r.choices] == list(range(6))
     texts = [c.text for c in r.choices]
     ones = [client.completions.create(prompt=p, **kw) for p in prompts]
-    assert texts[0] == ones[0].choices[0].text and texts[3] == ones[1].choices[0].text
     assert len(set(texts[:3])) == 3 and len(set(texts[3:])) == 3, texts
     assert [c.text for c in client.completions.create(prompt=prompts, n=3, **kw).choices] == texts
     assert r.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in ones)
