@@ -625,7 +625,7 @@ int smem_optin() {
 
 // Row pairs per stage: the most (1, 2, 4 or 8) whose bytes fit kStageTarget, or a pair's piece of K where one pair
 // is larger; the slot is the largest stage (or a chunk of attention's K and V). Smaller stages measured slower
-// (20 KB: 4B batch 1 3.3 ms against 2.7 at the time): each stage costs the consumers ~0.45 us.
+// (20 KB: 4B batch 1 3.3 ms against 2.7 at the time; docs/benchmarks.md).
 constexpr int kStageTarget = 40 * 1024;
 Plan make_plan(int H, int I, int heads, int inflight) {
   const int stage_target = kStageTarget;
