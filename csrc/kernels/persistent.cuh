@@ -25,15 +25,12 @@ struct PersistentArgs {
   int num_layers, hidden, intermediate, heads, kv_heads;
   float eps;
   bf16* x;     // [hidden] residual stream, updated in place
-  bf16* qkv;   // [(heads + 2 kv_heads) * 128]
-  bf16* attn;  // [heads * 128]
-  bf16* act;   // [intermediate] SiLU(gate)·up
   bf16* kv_cache;
   KvLayout kv;
   const int32_t *positions, *slots, *context_lens, *block_tables;  // row 0 of the step's metadata
   const float2* cos_sin;
   int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
-  float* ws;      // persistent_ws_floats(): attention split partials
+  float* ws;      // persistent_ws_floats(): attention split partials, the LL words, the step counter
   uint64_t* trace;  // profiling: [blocks][kPersistentEvents] globaltimer ns of layer kPersistentTraceLayer, or null
 };
 

@@ -73,9 +73,6 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     pa.kv_heads = d.kv_heads;
     pa.eps = d.eps;
     pa.x = a.x;
-    pa.qkv = a.qkv;
-    pa.attn = a.attn;
-    pa.act = a.act;
     pa.kv_cache = kv_cache;
     pa.kv = kv;
     pa.positions = m.positions;
