@@ -22,9 +22,9 @@ constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before anothe
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
-// Attention scratch (floats), aliased with the staged GEMV input: q [4][128], scores [4][kChunk], running
-// m / l / rescale [3][4] (+4 pad), the new token's k and v [2][128], per-warp P.V sums [kCW][4][128].
-constexpr int kScratchFloats = kGroup * kD + kGroup * kChunk + 16 + 2 * kD + kCW * kGroup * kD;
+// Attention scratch (floats), aliased with the staged GEMV input: q [4][128], each warp's running max and sum
+// per head [kCW][2][4], the new token's k and v [2][128], each warp's P.V [kCW][4][128].
+constexpr int kScratchFloats = kGroup * kD + kCW * 2 * kGroup + 2 * kD + kCW * kGroup * kD;
 enum { kQkv, kO, kGu, kDown, kProjs };
 
 struct Plan {
@@ -76,7 +76,7 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
 // The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
-// has landed, so that fewer bytes queue in the memory system ahead of the counters and input reads.
+// has landed, so that fewer bytes queue in the memory system ahead of the LL reads.
 __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
@@ -367,11 +367,10 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   load_chunk(k0);  // keys of earlier steps: no dependency on this layer
   mark(22);
 
-  float* sq = scratch;                // [4][128]
-  float* ssc = sq + kGroup * kD;      // [4][kChunk]
-  float* stat = ssc + kGroup * kChunk;  // m [4], l [4], rescale [4]
-  float* snew = stat + 16;            // k [128], v [128]
-  float* sacc = snew + 2 * kD;        // [kCW][4][128]
+  float* sq = scratch;                   // [4][128]
+  float* wstat = sq + kGroup * kD;       // [kCW][2][4]: each warp's m and l per head
+  float* snew = wstat + kCW * 2 * kGroup;  // k [128], v [128]
+  float* sacc = snew + 2 * kD;           // [kCW][4][128]
   const float2* cs = a.cos_sin + (int64_t)pos * (kD / 2);
   auto put4 = [&](float* dst, uint2 r) {
     const float2 x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
@@ -468,7 +467,6 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
   for (int h = 0; h < kGroup; ++h)
     *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-  float* wstat = ssc;  // [kCW][2][4]: each warp's m and l per head
   if (lane < kGroup) wstat[warp * 8 + lane] = m_run, wstat[warp * 8 + 4 + lane] = l_run;
   compute_sync();
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
@@ -721,7 +719,7 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   }
   OI_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, persistent_counter_ints(a.num_layers, a.kv_heads) * sizeof(int), s));
   cudaLaunchAttribute coop{};
-  coop.id = cudaLaunchAttributeCooperative;  // every block resident: the counters are waited on
+  coop.id = cudaLaunchAttributeCooperative;  // every block resident: blocks wait on each other's words
   coop.val.cooperative = 1;
   OI_CUDA_CHECK(launch_kernel(false, persistent_kernel, dim3(num_sms), dim3(kThreads), p.smem, s, &coop, a, p));
 }
