@@ -126,6 +126,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       }
       // After qkv: this block's keys of earlier steps for attention, a chunk per stage (K rows, then V rows
       // at kChunk rows), page by page; the newest key is this step's and comes from shared memory.
+      // (The engine never runs a row with no context: attention consumes at least one chunk per item, as here.)
       if (P == kQkv && item) {
         const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
         const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
@@ -157,24 +158,24 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
 // 128-byte line.
 constexpr int kCounterInts = 32;
 
-// Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, written
-// with one store, so a reader that sees the flag sees the data. The flag names (step, layer, phase); a reader
-// polls the words themselves, with no fence, counter or second round trip.
+// Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, each
+// word one 64-bit access (single-copy atomic), so a reader that sees the flag sees the data. The flag names
+// (step, layer, phase); a reader polls the words themselves, with no fence, counter or second round trip.
 __device__ __forceinline__ uint4 ll_load(const uint2* p, uint32_t flag) {  // two words; spins until both carry flag
-  uint4 v;
+  unsigned long long w0, w1;
   do {
-    asm volatile("ld.relaxed.gpu.global.v4.u32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-  } while (v.y != flag || v.w != flag);
-  return v;  // data in v.x and v.z
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(w0), "=l"(w1) : "l"(p) : "memory");
+  } while ((uint32_t)(w0 >> 32) != flag || (uint32_t)(w1 >> 32) != flag);
+  return make_uint4((uint32_t)w0, flag, (uint32_t)w1, flag);  // data in .x and .z
+}
+__device__ __forceinline__ unsigned long long ll_word(uint32_t data, uint32_t flag) {
+  return (unsigned long long)flag << 32 | data;
 }
 __device__ __forceinline__ void ll_store(uint2* p, uint32_t data, uint32_t flag) {
-  asm volatile("st.relaxed.gpu.global.v2.u32 [%0], {%1,%2};\n" ::"l"(p), "r"(data), "r"(flag) : "memory");
+  asm volatile("st.relaxed.gpu.global.u64 [%0], %1;\n" ::"l"(p), "l"(ll_word(data, flag)) : "memory");
 }
 __device__ __forceinline__ void ll_store2(uint2* p, uint32_t d0, uint32_t d1, uint32_t flag) {
-  asm volatile("st.relaxed.gpu.global.v4.u32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(d0), "r"(flag), "r"(d1), "r"(flag)
+  asm volatile("st.relaxed.gpu.global.v2.u64 [%0], {%1,%2};\n" ::"l"(p), "l"(ll_word(d0, flag)), "l"(ll_word(d1, flag))
                : "memory");
 }
 __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
