@@ -17,8 +17,8 @@ from bench_engine import Runner, model_dir
 EVENTS = ["layer start", "qkv: staging starts", "qkv: x staged (from every block)", "qkv done (published)",
           "attention done", "o: staging starts", "o: attention staged (merged)", "o done", "gate_up: staging starts",
           "gate_up: x staged (after o)", "gate_up done", "down: staging starts", "down: act staged", "down done",
-          "copy: first qkv stage", "copy: first gate_up stage", *[f"o done, warp {w}" for w in range(6)],
-          "attn: K/V requested", "attn: q, k, v prepared", "attn: scores", "attn: softmax", "attn: P.V",
+          "copy: first qkv stage", "copy: first gate_up stage", *["(unused)"] * 6,
+          "attn: first K/V chunk read", "attn: q, k, v prepared", "(unused)", "(unused)", "attn: keys done (P.V)",
           "attn: partial written", "attn: merged", "o warp 1: data ready", "(unused)", "o warp 1: MMAs done"]
 
 

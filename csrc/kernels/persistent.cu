@@ -183,10 +183,8 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&b);
 }
 
-// A GEMV's input in shared memory as bf16, RMSNorm applied with the rmsnorm kernel's roundings (each
-// thread on the elements it staged). Another block wrote src: read through L2.
-// For a residual add (res != null) the block's rows of x are read here too, into sres, so that the
-// epilogue does not wait on L2 for each.
+// A GEMV's input in shared memory as bf16, polled from the LL words every block wrote (flag), RMSNorm
+// applied with the rmsnorm kernel's roundings (each thread on the elements it staged).
 template <bool NORM>
 __device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
   const int tid = threadIdx.x, lane = tid & 31;
@@ -332,8 +330,8 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 // Decode attention of this layer for the one sequence: block b < kv_heads * S takes KV head b % kv_heads
 // and key split b / kv_heads, with the group's 4 query heads. q/k RMSNorm + RoPE and the K/V write of the
 // new token happen here; its k and v are used from shared memory. Splits merge in the last block to
-// arrive per KV head. Scores and P.V run on CUDA cores: a warp holds 16 keys' K and V rows (4 dims per
-// lane), requested before this layer's qkv is complete.
+// arrive per KV head. Scores and P.V run on CUDA cores: a warp reads 8 keys' K and V rows (4 dims per lane)
+// from the ring stage the copy warp filled with this split's chunk.
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
                                 int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
                                 uint32_t f_attn, const StepInfo& si, const Plan& p, const unsigned char* ring,
@@ -696,6 +694,7 @@ int& persistent_decode() {
 }
 
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
+  if (hidden <= 0 || intermediate <= 0 || kv_heads <= 0) return false;
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
   return make_plan(hidden, intermediate, heads, 0).slots >= 2;
 }
