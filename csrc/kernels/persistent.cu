@@ -32,6 +32,8 @@ struct Plan {
   int pairs[kProjs];   // row pairs per ring stage (gate_up: a gate row and its up row); kCW / pairs warps per pair
   int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
   int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
+  int ck;             // attention's keys per ring stage (K rows, then V rows at ck rows)
+  int variant;        // EXPERIMENT bits: 1 batched staging, 2 ring-sized unthrottled K/V chunks, 4 LL merge
 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
@@ -73,6 +75,12 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
   return si;
 }
 
+// Keys per ring stage of attention's split [k0, k1): a whole split where it fits one stage (the slot holds
+// p.ck keys' K and V rows), else kChunk, one key per warp lane group.
+__device__ __forceinline__ int stage_keys(const Plan& p, int k0, int k1) {
+  return (p.variant & 2) && k1 - k0 <= p.ck ? p.ck : kChunk;
+}
+
 // The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
@@ -81,9 +89,9 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
-  auto acquire = [&]() {  // the next slot, once free and (with p.inflight) once the stage p.inflight back landed
+  auto acquire = [&](bool throttle = true) {  // the next slot, once free and (with p.inflight) once the stage p.inflight back landed
     mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-    if (p.inflight > 0 && k >= p.inflight) {
+    if (throttle && p.inflight > 0 && k >= p.inflight) {
       const int e = k - p.inflight;
       mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
     }
@@ -130,9 +138,10 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       if (P == kQkv && item) {
         const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
         const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
-        for (int c0 = k0; c0 < k1; c0 += kChunk, ++k) {
-          const int cn = min(min(k1, c0 + kChunk), L - 1);
-          acquire();
+        const int ck = stage_keys(p, k0, k1);
+        for (int c0 = k0; c0 < k1; c0 += ck, ++k) {
+          const int cn = min(min(k1, c0 + ck), L - 1);
+          acquire(!(p.variant & 2) || c0 == k0);  // a split's chunks after its first: requested together
           unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
           if (cn > c0) {
             mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
@@ -141,7 +150,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
               const bf16* src = layer_kv + (int64_t)__ldg(a.block_tables + pg) * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
               const uint32_t off = (key - c0) * kD * 2, bytes = (kend - key) * kD * 2;
               bulk_load(dst + off, src, bytes, &full[slot], policy);
-              bulk_load(dst + kChunk * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
+              bulk_load(dst + ck * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
               key = kend;
             }
           } else {
@@ -185,9 +194,74 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 // A GEMV's input in shared memory as bf16, polled from the LL words every block wrote (flag), RMSNorm
 // applied with the rmsnorm kernel's roundings (each thread on the elements it staged).
+constexpr int kStageLoads = 6;  // LL loads per thread in flight (RMSNorm's K: at most one round of them)
 template <bool NORM>
-__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
+__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red,
+                            bool batched) {
   const int tid = threadIdx.x, lane = tid & 31;
+  if (batched) {
+    // A round of loads issued at once, then only the words not yet flagged polled again: one trip through
+    // L2 per round once the last writer is done, where a load at a time took one per 1024 elements.
+    for (int kr = 0; kr < K; kr += kStageLoads * kCThreads * 4) {
+      unsigned long long w[kStageLoads][2];
+      uint2 g[kStageLoads];
+      auto in = [&](int i) { return kr + (tid + i * kCThreads) * 4 < K; };
+      auto ld = [&](int i) {
+        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n"
+                     : "=l"(w[i][0]), "=l"(w[i][1]) : "l"(src + (kr + (tid + i * kCThreads) * 4) / 2) : "memory");
+      };
+#pragma unroll
+      for (int i = 0; i < kStageLoads; ++i)
+        if (in(i)) {
+          ld(i);
+          if (NORM) g[i] = __ldg(reinterpret_cast<const uint2*>(nw + kr + (tid + i * kCThreads) * 4));
+        }
+      bool again;
+      do {
+        again = false;
+#pragma unroll
+        for (int i = 0; i < kStageLoads; ++i)
+          if (in(i) && ((uint32_t)(w[i][0] >> 32) != flag || (uint32_t)(w[i][1] >> 32) != flag)) again = true, ld(i);
+      } while (again);
+      float rstd = 0.f;
+      if (NORM) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < kStageLoads; ++i) {
+          if (!in(i)) continue;
+          const uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[0]));
+          const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[1]));
+          ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
+        }
+        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+        if (lane == 0) red[tid >> 5] = ss;
+        compute_sync();
+        float tot = 0.f;
+#pragma unroll
+        for (int wi = 0; wi < kCW; ++wi) tot += red[wi];
+        rstd = rsqrtf(tot / K + eps);
+      }
+#pragma unroll
+      for (int i = 0; i < kStageLoads; ++i) {
+        if (!in(i)) continue;
+        uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
+        if (NORM) {
+          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&g[i]);
+#pragma unroll
+          for (int q = 0; q < 2; ++q) {
+            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&d[q]);
+            const float2 f = __bfloat1622float2(*o), gw = __bfloat1622float2(wp[q]);
+            const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
+            *o = __floats2bfloat162_rn(n.x * gw.x, n.y * gw.y);
+          }
+        }
+        *reinterpret_cast<uint2*>(sx + kr + (tid + i * kCThreads) * 4) = make_uint2(d[0], d[1]);
+      }
+    }
+    compute_sync();
+    return;
+  }
   float ss = 0.f;
   for (int k = tid * 4; k < K; k += kCThreads * 4) {
     const uint4 v = ll_load(src + k / 2, flag);
@@ -334,7 +408,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 // from the ring stage the copy warp filled with this split's chunk.
 __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
                                 int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
-                                uint32_t f_attn, const StepInfo& si, const Plan& p, const unsigned char* ring,
+                                uint32_t f_attn, uint32_t f_part, const StepInfo& si, const Plan& p, const unsigned char* ring,
                                 uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   auto mark = [&](int e) {
@@ -345,22 +419,30 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < KVH * S;
 
-  // A warp's 8 keys of a chunk, from the ring stage the copy warp filled (produce()); lane: 4 dims of each.
+  // A warp's 8 keys of a chunk of kChunk keys [c0, ce), from the ring stage of keys [sk, sk + ck) the copy
+  // warp filled (produce()); lane: 4 dims of each. The stage is released after its last chunk.
+  const int ck = stage_keys(p, k0, k1);
+  int sk = k0, ce = k0;
   uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
   auto load_chunk = [&](int c0) {
-    mbar_wait(&full[slot], phase);
+    if (c0 == sk) mbar_wait(&full[slot], phase);
+    const int se = min(k1, sk + ck);
+    ce = min(se, c0 + kChunk);
     const unsigned char* st = ring + (size_t)slot * p.slot_bytes;
 #pragma unroll
     for (int r = 0; r < kKeysPerWarp; ++r) {
       const int key = c0 + warp * kKeysPerWarp + r;
-      const bool ok = key < k1 && key < L - 1;
-      const int off = (key - c0) * kD * 2 + lane * 8;
+      const bool ok = key < ce && key < L - 1;
+      const int off = (key - sk) * kD * 2 + lane * 8;
       kr[r] = ok ? *reinterpret_cast<const uint2*>(st + off) : make_uint2(0, 0);
-      vr[r] = ok ? *reinterpret_cast<const uint2*>(st + kChunk * kD * 2 + off) : make_uint2(0, 0);
+      vr[r] = ok ? *reinterpret_cast<const uint2*>(st + ck * kD * 2 + off) : make_uint2(0, 0);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(&empty[slot]);
-    if (++slot == p.slots) slot = 0, phase ^= 1;
+    if (ce == se) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(&empty[slot]);
+      if (++slot == p.slots) slot = 0, phase ^= 1;
+      sk = se;
+    }
   };
   if (!item) return;
   load_chunk(k0);  // keys of earlier steps: no dependency on this layer
@@ -414,7 +496,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   // Each warp keeps its own running max and sum per head over its keys (no block barrier per chunk); the
   // warps merge once at the end, as splits do.
   float m_run = kNegInf, l_run = 0.f;  // of head lane % 4
-  for (int c0 = k0; c0 < k1; c0 += kChunk) {
+  for (int c0 = k0; c0 < k1; c0 = ce) {
     if (c0 != k0) load_chunk(c0);
     const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
     // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
@@ -432,7 +514,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
     halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
     halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
-    const float sc = kb + (lane >> 2) < k1 ? v[0] * scale_log2 : kNegInf;
+    const float sc = kb + (lane >> 2) < ce ? v[0] * scale_log2 : kNegInf;
     float cm = sc;  // the chunk's max of head hl over the warp's 8 keys (lanes alike in bits 0-1)
     for (int o = 4; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
     const float m_new = fmaxf(m_run, cm);
@@ -468,7 +550,9 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
   if (lane < kGroup) wstat[warp * 8 + lane] = m_run, wstat[warp * 8 + 4 + lane] = l_run;
   compute_sync();
+  const bool llm = p.variant & 4;
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
+  uint2* part_ll = reinterpret_cast<uint2*>(a.ws) + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
     const int h = e / kD;
     float M = kNegInf;
@@ -480,7 +564,8 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       const float mw = wstat[w2 * 8 + h];
       s += mw == kNegInf ? 0.f : exp2f(mw - M) * sacc[w2 * kGroup * kD + e];
     }
-    part[e] = s;
+    if (llm) ll_store(part_ll + e, __float_as_uint(s), f_part);
+    else part[e] = s;
   }
   if (tid < kGroup) {
     float M = kNegInf, l = 0.f;
@@ -491,7 +576,50 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       const float mw = wstat[w2 * 8 + tid];
       l += mw == kNegInf ? 0.f : exp2f(mw - M) * wstat[w2 * 8 + 4 + tid];
     }
-    part[kGroup * kD + tid] = M, part[kGroup * kD + kGroup + tid] = l;
+    if (llm) ll_store2(part_ll + kGroup * kD + 2 * tid, __float_as_uint(M), __float_as_uint(l), f_part);
+    else part[kGroup * kD + tid] = M, part[kGroup * kD + kGroup + tid] = l;
+  }
+  if (llm) {
+    // Every split's block merges a slice of the group's value pairs (an eighth... of 256), polling the partial
+    // words of every split for it: one trip once the slowest split is done, and no counter.
+    mark(27);
+    const int np = kGroup * kD / 2, j0 = np * sp / S, n = np * (sp + 1) / S - j0;
+    const uint2* base = reinterpret_cast<const uint2*>(a.ws) + (int64_t)kvh * kMaxSplits * kPartial;
+    compute_sync();  // sacc is free: the exchange, [S][n] pairs and [S][kGroup] (m, l)
+    float2* xo = reinterpret_cast<float2*>(sacc);
+    float2* xm = xo + np + kMaxSplits;
+    for (int it = tid; it < n * S; it += kCThreads) {
+      const int s2 = it / n, j = j0 + it % n, h = 2 * j / kD;
+      const uint2* po = base + s2 * kPartial + 2 * j;
+      const uint2* pm = base + s2 * kPartial + kGroup * kD + 2 * h;
+      unsigned long long o0, o1, m0, m1;
+      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
+      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
+      for (;;) {
+        const bool oo = (uint32_t)(o0 >> 32) == f_part && (uint32_t)(o1 >> 32) == f_part;
+        const bool om = (uint32_t)(m0 >> 32) == f_part && (uint32_t)(m1 >> 32) == f_part;
+        if (oo && om) break;
+        if (!oo) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
+        if (!om) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
+      }
+      xo[it] = make_float2(__uint_as_float((uint32_t)o0), __uint_as_float((uint32_t)o1));
+      xm[s2 * kGroup + h] = make_float2(__uint_as_float((uint32_t)m0), __uint_as_float((uint32_t)m1));  // alike where repeated
+    }
+    compute_sync();
+    for (int jj = tid; jj < n; jj += kCThreads) {
+      const int h = 2 * (j0 + jj) / kD;
+      float M = kNegInf, den = 0.f, n0 = 0.f, n1 = 0.f;
+      for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, xm[s2 * kGroup + h].x);
+      for (int s2 = 0; s2 < S; ++s2) {
+        const float2 ml = xm[s2 * kGroup + h], o = xo[s2 * n + jj];
+        const float wgt = ml.x == kNegInf ? 0.f : exp2f(ml.x - M);
+        den += wgt * ml.y, n0 += wgt * o.x, n1 += wgt * o.y;
+      }
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      ll_store(attn_ll + (kvh * kGroup * kD) / 2 + j0 + jj, pack2(n0 * inv, n1 * inv), f_attn);
+    }
+    mark(28);
+    return;
   }
   compute_sync();
   if (tid == 0) {  // acq_rel: releases this block's partial, acquires the others' for the last
@@ -554,7 +682,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   }
   const int G = gridDim.x, H = a.hidden, per_layer = a.kv_heads * kCounterInts, tid = threadIdx.x;
   // LL buffers after the attention partials (persistent_ws_floats()), then the step counter.
-  uint2* x_ll = reinterpret_cast<uint2*>(a.ws + (int64_t)a.kv_heads * kMaxSplits * kPartial);
+  uint2* x_ll = reinterpret_cast<uint2*>(a.ws) + (int64_t)a.kv_heads * kMaxSplits * kPartial;  // after the partials' words
   uint2* qkv_ll = x_ll + H / 2;
   uint2* attn_ll = qkv_ll + (a.heads + 2 * a.kv_heads) * kD / 2;
   uint2* act_ll = attn_ll + a.heads * kD / 2;
@@ -590,10 +718,11 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
       mark(ev);
       if (P == kQkv || P == kGu)
-        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
+        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red,
+                         p.variant & 1);
       else
         stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
-                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
+                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red, p.variant & 1);
       mark(ev + 1);
       uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
       const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
@@ -601,7 +730,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
-        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, si, p, ring,
+        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, F + 6, si, p, ring,
                         full, empty, slot, phase);
         mark(4);
       }
@@ -647,6 +776,8 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   // throttle waits on the latest stage of a slot.
   if (inflight < 0) inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
   p.inflight = inflight < p.slots ? inflight : 0;
+  p.ck = p.slot_bytes / (2 * kD * 2);
+  p.variant = persistent_variant();
   return p;
 }
 
@@ -688,6 +819,11 @@ int& persistent_inflight() {
   return n;
 }
 
+int& persistent_variant() {
+  static int v = 7;
+  return v;
+}
+
 int& persistent_decode() {
   static int mode = 1;
   return mode;
@@ -696,6 +832,7 @@ int& persistent_decode() {
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
   if (hidden <= 0 || intermediate <= 0 || kv_heads <= 0) return false;
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
+  if (hidden > kStageLoads * kCThreads * 4) return false;  // RMSNorm's input staged in one round
   return make_plan(hidden, intermediate, heads, 0).slots >= 2;
 }
 
@@ -704,7 +841,7 @@ int64_t persistent_counter_ints(int num_layers, int kv_heads) {
 }
 int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
   const int64_t ll_words = hidden / 2 + (heads + 2 * kv_heads) * kD / 2 + heads * kD / 2 + intermediate / 2;
-  return (int64_t)kv_heads * kMaxSplits * kPartial + 2 * ll_words + 4;  // + the step counter
+  return 2 * ((int64_t)kv_heads * kMaxSplits * kPartial + ll_words) + 4;  // + the step counter
 }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {

@@ -56,5 +56,7 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 int& persistent_decode();
 // Most stages a block has requested and not yet received: -1 (default) ~64 KB, 0 as many as the ring holds.
 int& persistent_inflight();
+// EXPERIMENT: bits 1 batched staging, 2 ring-sized unthrottled K/V chunks, 4 merge through LL words.
+int& persistent_variant();
 
 }  // namespace oi
