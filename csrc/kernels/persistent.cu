@@ -514,6 +514,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
     halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
     halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
+    if (c0 == k0) mark(24);
     const float sc = kb + (lane >> 2) < ce ? v[0] * scale_log2 : kNegInf;
     float cm = sc;  // the chunk's max of head hl over the warp's 8 keys (lanes alike in bits 0-1)
     for (int o = 4; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
@@ -541,6 +542,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
         for (int i = 0; i < 4; ++i) acc[h][i] += pr * vf[i];
       }
     }
+    if (c0 == k0) mark(25);
   }
   mark(26);
 
