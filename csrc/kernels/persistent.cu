@@ -89,10 +89,10 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
-  auto acquire = [&](bool throttle = true) {  // the next slot, once free and (with p.inflight) once the stage p.inflight back landed
+  auto acquire = [&](int inflight) {  // the next slot, once free and (inflight > 0) once the stage inflight back landed
     mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-    if (throttle && p.inflight > 0 && k >= p.inflight) {
-      const int e = k - p.inflight;
+    if (inflight > 0 && k >= inflight) {
+      const int e = k - inflight;
       mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
     }
   };
@@ -111,7 +111,9 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       for (int u = u0; u < u1; u += U)
       for (int kp = 0; kp < ks; ++kp, ++k) {
         const uint32_t bytes = min(U, u1 - u) * row_bytes;
-        acquire();
+        // EXPERIMENT: bit 8 one more stage in flight for gate_up and down, bit 16 for qkv too
+        const bool more = p.inflight > 0 && ((p.variant & 8) && (P == kGu || P == kDown) || (p.variant & 16) && P == kQkv);
+        acquire(more ? min(p.inflight + 1, p.slots - 1) : p.inflight);
         if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
           a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
@@ -141,7 +143,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
         const int ck = stage_keys(p, k0, k1);
         for (int c0 = k0; c0 < k1; c0 += ck, ++k) {
           const int cn = min(min(k1, c0 + ck), L - 1);
-          acquire(!(p.variant & 2) || c0 == k0);  // a split's chunks after its first: requested together
+          acquire(!(p.variant & 2) || c0 == k0 ? p.inflight : 0);  // a split's chunks after its first: requested together
           unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
           if (cn > c0) {
             mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
