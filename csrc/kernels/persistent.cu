@@ -75,10 +75,9 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
   return si;
 }
 
-// Keys per ring stage of attention's split [k0, k1): a whole split where it fits one stage (the slot holds
-// p.ck keys' K and V rows), else kChunk, one key per warp lane group.
+// Keys per ring stage of attention's split: as many as a slot holds (K rows, then V rows at p.ck rows).
 __device__ __forceinline__ int stage_keys(const Plan& p, int k0, int k1) {
-  return (p.variant & 2) && k1 - k0 <= p.ck ? p.ck : kChunk;
+  return (p.variant & 2) ? p.ck : kChunk;
 }
 
 // The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
@@ -421,130 +420,107 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < KVH * S;
 
-  // A warp's 8 keys of a chunk of kChunk keys [c0, ce), from the ring stage of keys [sk, sk + ck) the copy
-  // warp filled (produce()); lane: 4 dims of each. The stage is released after its last chunk.
-  const int ck = stage_keys(p, k0, k1);
-  int sk = k0, ce = k0;
-  uint2 kr[kKeysPerWarp], vr[kKeysPerWarp];
-  auto load_chunk = [&](int c0) {
-    if (c0 == sk) mbar_wait(&full[slot], phase);
-    const int se = min(k1, sk + ck);
-    ce = min(se, c0 + kChunk);
-    const unsigned char* st = ring + (size_t)slot * p.slot_bytes;
-#pragma unroll
-    for (int r = 0; r < kKeysPerWarp; ++r) {
-      const int key = c0 + warp * kKeysPerWarp + r;
-      const bool ok = key < ce && key < L - 1;
-      const int off = (key - sk) * kD * 2 + lane * 8;
-      kr[r] = ok ? *reinterpret_cast<const uint2*>(st + off) : make_uint2(0, 0);
-      vr[r] = ok ? *reinterpret_cast<const uint2*>(st + ck * kD * 2 + off) : make_uint2(0, 0);
-    }
-    if (ce == se) {
-      __syncwarp();
-      if (lane == 0) mbar_arrive(&empty[slot]);
-      if (++slot == p.slots) slot = 0, phase ^= 1;
-      sk = se;
-    }
-  };
   if (!item) return;
-  load_chunk(k0);  // keys of earlier steps: no dependency on this layer
-  mark(22);
-
-  float* sq = scratch;                   // [4][128]
-  float* wstat = sq + kGroup * kD;       // [kCW][2][4]: each warp's m and l per head
-  float* snew = wstat + kCW * 2 * kGroup;  // k [128], v [128]
-  float* sacc = snew + 2 * kD;           // [kCW][4][128]
+  // Scratch: q [4][128] bf16, each warp's running max and sum per head [kCW][2][4], the new token's k and v
+  // [2][128] bf16, each warp's P.V [kCW][4][128].
+  bf16* sqb = reinterpret_cast<bf16*>(scratch);
+  float* wstat = scratch + kGroup * kD;
+  bf16* snew = reinterpret_cast<bf16*>(wstat + kCW * 2 * kGroup);
+  float* sacc = wstat + kCW * 2 * kGroup + 2 * kD;
   const float2* cs = a.cos_sin + (int64_t)pos * (kD / 2);
-  auto put4 = [&](float* dst, uint2 r) {
-    const float2 x = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
-    const float2 y = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.y));
-    *reinterpret_cast<float4*>(dst + lane * 4) = make_float4(x.x, x.y, y.x, y.y);
-  };
   const int slot_new = si.slot_new;
   if (warp < kGroup) {
     const uint4 v = ll_load(qkv_ll + ((kvh * kGroup + warp) * kD + lane * 4) / 2, f_qkv);
-    const uint2 raw = make_uint2(v.x, v.z);
-    put4(sq + warp * kD, qk_norm_rope_lane(raw, w.q_norm, cs, a.eps, lane));
+    *reinterpret_cast<uint2*>(sqb + warp * kD + lane * 4) = qk_norm_rope_lane(make_uint2(v.x, v.z), w.q_norm, cs, a.eps, lane);
   } else if (k1 == L && warp < kGroup + 2) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
     const uint4 v = ll_load(qkv_ll + ((a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4) / 2, f_qkv);
     const uint2 raw = make_uint2(v.x, v.z);
     const uint2 r = is_v ? raw : qk_norm_rope_lane(raw, w.k_norm, cs, a.eps, lane);
-    put4(snew + (is_v ? kD : 0), r);
+    *reinterpret_cast<uint2*>(snew + (is_v ? kD : 0) + lane * 4) = r;
     if (slot_new >= 0)
       *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, l, slot_new, kvh, is_v) + lane * 4) = r;
   }
   compute_sync();
   mark(23);
 
+  // Scores on the tensor cores, 8 keys per MMA: A = the 4 query heads (rows 0-3 of 16), B = 8 keys' K rows
+  // (column g: key g), over 16 dims per k step. Dims map to k indices alike for A and B, in an order that
+  // lets lane (g, t) read 16 contiguous bytes per two k steps: dims 32 p + 8 t + [0, 8) for k steps 2p and
+  // 2p + 1. C: lane (g < 4, t) holds head g's scores of keys 2t and 2t + 1. P.V stays on CUDA cores (lane: 4
+  // dims of every head), the probabilities broadcast from the C lanes.
+  const int g = lane >> 2, t = lane & 3;
+  uint4 qa[4];
+#pragma unroll
+  for (int q4 = 0; q4 < 4; ++q4)
+    qa[q4] = g < kGroup ? *reinterpret_cast<const uint4*>(sqb + g * kD + 32 * q4 + 8 * t) : make_uint4(0, 0, 0, 0);
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
-  float q[kGroup][4], acc[kGroup][4];
+  float acc[kGroup][4];
 #pragma unroll
-  for (int h = 0; h < kGroup; ++h) {
-    const float4 v = *reinterpret_cast<const float4*>(sq + h * kD + lane * 4);
-    q[h][0] = v.x, q[h][1] = v.y, q[h][2] = v.z, q[h][3] = v.w;
-    acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
-  }
-  auto f4 = [&](uint2 r, int key, int off, float (&x)[4]) {
-    if (key == L - 1) {
-      const float4 v = *reinterpret_cast<const float4*>(snew + off + lane * 4);
-      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
-    } else {
-      const float2 p = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.x));
-      const float2 s = __bfloat1622float2(*reinterpret_cast<__nv_bfloat162*>(&r.y));
-      x[0] = p.x, x[1] = p.y, x[2] = s.x, x[3] = s.y;
-    }
-  };
-  // Each warp keeps its own running max and sum per head over its keys (no block barrier per chunk); the
-  // warps merge once at the end, as splits do.
-  float m_run = kNegInf, l_run = 0.f;  // of head lane % 4
-  for (int c0 = k0; c0 < k1; c0 = ce) {
-    if (c0 != k0) load_chunk(c0);
-    const int kb = c0 + warp * kKeysPerWarp;  // this warp's first key
-    // 8 keys x 4 heads partial dot products, summed across lanes by recursive halving (31 shuffles):
-    // lane l ends with index l, i.e. key l / 4 and head l % 4.
-    float v[kKeysPerWarp * kGroup];
+  for (int h = 0; h < kGroup; ++h) acc[h][0] = acc[h][1] = acc[h][2] = acc[h][3] = 0.f;
+  float m_run = kNegInf, l_run = 0.f;  // of head g (lanes g < 4)
+  // Groups of 8 keys go round robin over the warps across the split's stages; each warp keeps its own
+  // running max and sum (the warps merge at the end, as splits do).
+  const int ck = stage_keys(p, k0, k1);
+  bool first = true;
+  for (int sk = k0; sk < k1; sk += ck) {
+    mbar_wait(&full[slot], phase);
+    if (first) mark(22);
+    const unsigned char* st = ring + (size_t)slot * p.slot_bytes;
+    const int se = min(k1, sk + ck), ng = (se - sk + kKeysPerWarp - 1) / kKeysPerWarp;
+    const int j0 = ((warp - (sk - k0) / kKeysPerWarp) % kCW + kCW) % kCW;
+    for (int j = j0; j < ng; j += kCW) {
+      const int kb = sk + j * kKeysPerWarp;
+      // B: key kb + g's K row (the new token's from shared memory; past the stage's end any row, masked).
+      const int key = kb + g;
+      const unsigned char* krow = key < se && key < L - 1 ? st + (key - sk) * kD * 2 : reinterpret_cast<const unsigned char*>(snew);
+      float d0[4] = {0.f, 0.f, 0.f, 0.f}, d1[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-    for (int r = 0; r < kKeysPerWarp; ++r) {
-      float kf[4];
-      f4(kr[r], kb + r, 0, kf);
-#pragma unroll
-      for (int h = 0; h < kGroup; ++h) v[r * kGroup + h] = q[h][0] * kf[0] + q[h][1] * kf[1] + q[h][2] * kf[2] + q[h][3] * kf[3];
-    }
-    halve<16, 16, kKeysPerWarp * kGroup>(v, lane);
-    halve<8, 8, kKeysPerWarp * kGroup>(v, lane);
-    halve<4, 4, kKeysPerWarp * kGroup>(v, lane);
-    halve<2, 2, kKeysPerWarp * kGroup>(v, lane);
-    halve<1, 1, kKeysPerWarp * kGroup>(v, lane);
-    if (c0 == k0) mark(24);
-    const float sc = kb + (lane >> 2) < ce ? v[0] * scale_log2 : kNegInf;
-    float cm = sc;  // the chunk's max of head hl over the warp's 8 keys (lanes alike in bits 0-1)
-    for (int o = 4; o < 32; o <<= 1) cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, o));
-    const float m_new = fmaxf(m_run, cm);
-    const float pj = sc == kNegInf ? 0.f : exp2f(sc - m_new);
-    float sum = pj;
-    for (int o = 4; o < 32; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-    const float alpha = m_run == kNegInf ? 0.f : exp2f(m_run - m_new);
-    l_run = l_run * alpha + sum;
-    m_run = m_new;
-#pragma unroll
-    for (int h = 0; h < kGroup; ++h) {
-      const float al = __shfl_sync(0xffffffffu, alpha, h);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[h][i] *= al;
-    }
-#pragma unroll
-    for (int r = 0; r < kKeysPerWarp; ++r) {
-      float vf[4];
-      f4(vr[r], kb + r, kD, vf);
+      for (int q4 = 0; q4 < 4; ++q4) {
+        const uint4 kv = *reinterpret_cast<const uint4*>(krow + 64 * q4 + 16 * t);
+        mma_bf16(d0, qa[q4].x, 0u, qa[q4].y, 0u, kv.x, kv.y);
+        mma_bf16(d1, qa[q4].z, 0u, qa[q4].w, 0u, kv.z, kv.w);
+      }
+      if (first && j == j0) mark(24);
+      const float sa = kb + 2 * t < se ? (d0[0] + d1[0]) * scale_log2 : kNegInf;
+      const float sb = kb + 2 * t + 1 < se ? (d0[1] + d1[1]) * scale_log2 : kNegInf;
+      float cm = fmaxf(sa, sb);
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 1));
+      cm = fmaxf(cm, __shfl_xor_sync(0xffffffffu, cm, 2));
+      const float m_new = fmaxf(m_run, cm);  // finite: a group has a key
+      const float pa = sa == kNegInf ? 0.f : exp2f(sa - m_new), pb = sb == kNegInf ? 0.f : exp2f(sb - m_new);
+      float sum = pa + pb;
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float alpha = m_run == kNegInf ? 0.f : exp2f(m_run - m_new);
+      l_run = l_run * alpha + sum;
+      m_run = m_new;
 #pragma unroll
       for (int h = 0; h < kGroup; ++h) {
-        const float pr = __shfl_sync(0xffffffffu, pj, r * kGroup + h);  // 0 past the split's end
+        const float al = __shfl_sync(0xffffffffu, alpha, 4 * h);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[h][i] += pr * vf[i];
+        for (int i = 0; i < 4; ++i) acc[h][i] *= al;
       }
+#pragma unroll
+      for (int r = 0; r < kKeysPerWarp; ++r) {
+        if (kb + r >= se) break;  // warp-uniform
+        const unsigned char* vrow = kb + r == L - 1 ? reinterpret_cast<const unsigned char*>(snew + kD)
+                                                    : st + (ck + kb + r - sk) * kD * 2;
+        const uint2 vv = *reinterpret_cast<const uint2*>(vrow + lane * 8);
+        const float2 v01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.x));
+        const float2 v23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&vv.y));
+#pragma unroll
+        for (int h = 0; h < kGroup; ++h) {
+          const float pr = __shfl_sync(0xffffffffu, (r & 1) ? pb : pa, 4 * h + r / 2);
+          acc[h][0] += pr * v01.x, acc[h][1] += pr * v01.y, acc[h][2] += pr * v23.x, acc[h][3] += pr * v23.y;
+        }
+      }
+      if (first && j == j0) mark(25);
     }
-    if (c0 == k0) mark(25);
+    first = false;
+    __syncwarp();
+    if (lane == 0) mbar_arrive(&empty[slot]);
+    if (++slot == p.slots) slot = 0, phase ^= 1;
   }
   mark(26);
 
@@ -552,7 +528,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
 #pragma unroll
   for (int h = 0; h < kGroup; ++h)
     *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
-  if (lane < kGroup) wstat[warp * 8 + lane] = m_run, wstat[warp * 8 + 4 + lane] = l_run;
+  if (t == 0 && g < kGroup) wstat[warp * 8 + g] = m_run, wstat[warp * 8 + 4 + g] = l_run;
   compute_sync();
   const bool llm = p.variant & 4;
   float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
