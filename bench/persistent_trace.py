@@ -17,8 +17,9 @@ from bench_engine import Runner, model_dir
 EVENTS = ["layer start", "qkv: staging starts", "qkv: x staged (from every block)", "qkv done (published)",
           "attention done", "o: staging starts", "o: attention staged (merged)", "o done", "gate_up: staging starts",
           "gate_up: x staged (after o)", "gate_up done", "down: staging starts", "down: act staged", "down done",
-          "copy: first qkv stage", "copy: first gate_up stage", *["(unused)"] * 6,
-          "attn: first K/V chunk read", "attn: q, k, v prepared", "attn: first chunk's scores", "attn: first chunk done",
+          "copy: first qkv stage", "copy: first gate_up stage", "copy: K/V stage requested", "copy: K/V stage issued",
+          "copy: first o stage", *["(unused)"] * 3,
+          "attn: first K/V stage landed", "attn: q, k, v prepared", "attn: first chunk's scores", "attn: first chunk done",
           "attn: keys done (P.V)",
           "attn: partial written", "attn: merged", "o warp 1: data ready", "(unused)", "o warp 1: MMAs done"]
 

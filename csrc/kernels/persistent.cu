@@ -20,6 +20,7 @@ constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers p
 constexpr int kChunk = kCW * kKeysPerWarp;
 constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
+constexpr int kStagePages = 6;               // KV pages whose ids the copy warp reads together per stage
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
 // Attention scratch (floats), aliased with the staged GEMV input: q [4][128], each warp's running max and sum
@@ -99,9 +100,19 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   int S, kvh, sp, k0, k1;
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < a.kv_heads * S;
-  const int bs = a.kv.block_size;
+  const int bs = a.kv.block_size, ck = stage_keys(p, k0, k1);
+  // Page ids of a stage's keys, read together (each read is a loaded round trip, and a stage spans several
+  // pages); the split's first stage's once per launch, as every layer reads the same pages.
+  auto stage_pages = [&](int c0, int cn, int (&pp)[kStagePages]) {
+#pragma unroll
+    for (int i = 0; i < kStagePages; ++i) pp[i] = (c0 / bs + i) * bs < cn ? __ldg(a.block_tables + c0 / bs + i) : 0;
+  };
+  int first_pages[kStagePages];
+  stage_pages(k0, item ? min(min(k1, k0 + ck), L - 1) : 0, first_pages);
+  uint64_t* tr = a.trace ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
+    if (l != kPersistentTraceLayer) tr = nullptr;
     for (int P = 0; P < kProjs; ++P) {
       const Proj pr = proj_of(a, w, P);
       const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
@@ -113,8 +124,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
         // EXPERIMENT: bit 8 one more stage in flight for gate_up and down, bit 16 for qkv too
         const bool more = p.inflight > 0 && ((p.variant & 8) && (P == kGu || P == kDown) || (p.variant & 16) && P == kQkv);
         acquire(more ? min(p.inflight + 1, p.slots - 1) : p.inflight);
-        if (a.trace && u == u0 && (P == kQkv || P == kGu) && l == kPersistentTraceLayer)
-          a.trace[blockIdx.x * kPersistentEvents + (P == kQkv ? 14 : 15)] = now_ns();
+        if (tr && u == u0 && P != kDown) tr[P == kQkv ? 14 : P == kGu ? 15 : 18] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
         if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
           const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
@@ -139,16 +149,27 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       if (P == kQkv && item) {
         const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
         const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
-        const int ck = stage_keys(p, k0, k1);
         for (int c0 = k0; c0 < k1; c0 += ck, ++k) {
           const int cn = min(min(k1, c0 + ck), L - 1);
+          int pp[kStagePages];
+          if (c0 == k0) {
+#pragma unroll
+            for (int i = 0; i < kStagePages; ++i) pp[i] = first_pages[i];
+          } else {
+            stage_pages(c0, cn, pp);
+          }
           acquire(!(p.variant & 2) || c0 == k0 ? p.inflight : 0);  // a split's chunks after its first: requested together
+          if (tr && c0 == k0) tr[16] = now_ns();
           unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
           if (cn > c0) {
             mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
             for (int key = c0; key < cn;) {
               const int pg = key / bs, kend = min(cn, (pg + 1) * bs);
-              const bf16* src = layer_kv + (int64_t)__ldg(a.block_tables + pg) * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
+              int id = 0;
+#pragma unroll
+              for (int i = 0; i < kStagePages; ++i) id = pg - c0 / bs == i ? pp[i] : id;
+              if (pg - c0 / bs >= kStagePages) id = __ldg(a.block_tables + pg);  // small pages: a stage spans more
+              const bf16* src = layer_kv + (int64_t)id * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
               const uint32_t off = (key - c0) * kD * 2, bytes = (kend - key) * kD * 2;
               bulk_load(dst + off, src, bytes, &full[slot], policy);
               bulk_load(dst + ck * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
@@ -157,6 +178,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
           } else {
             mbar_arrive(&full[slot]);  // nothing cached in this chunk: the phase completes empty
           }
+          if (tr && c0 == k0) tr[17] = now_ns();
           if (++slot == p.slots) slot = 0, phase ^= 1;
         }
       }
