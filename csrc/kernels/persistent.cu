@@ -20,7 +20,6 @@ constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers p
 constexpr int kChunk = kCW * kKeysPerWarp;
 constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
-constexpr int kStagePages = 6;               // KV pages whose ids the copy warp reads together per stage
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
 // Attention scratch (floats), aliased with the staged GEMV input: q [4][128], each warp's running max and sum
@@ -101,18 +100,9 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < a.kv_heads * S;
   const int bs = a.kv.block_size, ck = stage_keys(p, k0, k1);
-  // Page ids of a stage's keys, read together (each read is a loaded round trip, and a stage spans several
-  // pages); the split's first stage's once per launch, as every layer reads the same pages.
-  auto stage_pages = [&](int c0, int cn, int (&pp)[kStagePages]) {
-#pragma unroll
-    for (int i = 0; i < kStagePages; ++i) pp[i] = (c0 / bs + i) * bs < cn ? __ldg(a.block_tables + c0 / bs + i) : 0;
-  };
-  int first_pages[kStagePages];
-  stage_pages(k0, item ? min(min(k1, k0 + ck), L - 1) : 0, first_pages);
-  uint64_t* tr = a.trace ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
-    if (l != kPersistentTraceLayer) tr = nullptr;
+    uint64_t* tr = a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
     for (int P = 0; P < kProjs; ++P) {
       const Proj pr = proj_of(a, w, P);
       const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
@@ -151,25 +141,14 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
         const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
         for (int c0 = k0; c0 < k1; c0 += ck, ++k) {
           const int cn = min(min(k1, c0 + ck), L - 1);
-          int pp[kStagePages];
-          if (c0 == k0) {
-#pragma unroll
-            for (int i = 0; i < kStagePages; ++i) pp[i] = first_pages[i];
-          } else {
-            stage_pages(c0, cn, pp);
-          }
-          acquire(!(p.variant & 2) || c0 == k0 ? p.inflight : 0);  // a split's chunks after its first: requested together
+          acquire((p.variant & 32) || (p.variant & 2) && c0 != k0 ? 0 : p.inflight);  // EXPERIMENT bit 32: first too
           if (tr && c0 == k0) tr[16] = now_ns();
           unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
           if (cn > c0) {
             mbar_expect_tx(&full[slot], 2u * (cn - c0) * kD * 2);
             for (int key = c0; key < cn;) {
               const int pg = key / bs, kend = min(cn, (pg + 1) * bs);
-              int id = 0;
-#pragma unroll
-              for (int i = 0; i < kStagePages; ++i) id = pg - c0 / bs == i ? pp[i] : id;
-              if (pg - c0 / bs >= kStagePages) id = __ldg(a.block_tables + pg);  // small pages: a stage spans more
-              const bf16* src = layer_kv + (int64_t)id * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
+              const bf16* src = layer_kv + (int64_t)__ldg(a.block_tables + pg) * a.kv.block_stride() + (int64_t)(key - pg * bs) * kD;
               const uint32_t off = (key - c0) * kD * 2, bytes = (kend - key) * kD * 2;
               bulk_load(dst + off, src, bytes, &full[slot], policy);
               bulk_load(dst + ck * kD * 2 + off, src + v_off, bytes, &full[slot], policy);
@@ -620,6 +599,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       const float inv = den > 0.f ? 1.f / den : 0.f;
       ll_store(attn_ll + (kvh * kGroup * kD) / 2 + j0 + jj, pack2(n0 * inv, n1 * inv), f_attn);
     }
+    compute_sync();  // the exchange aliases the o projection's staged input
     mark(28);
     return;
   }
