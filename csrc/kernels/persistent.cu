@@ -17,8 +17,7 @@ constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
 constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
-constexpr int kChunk = kCW * kKeysPerWarp;
-constexpr int kMinSplitKeys = kChunk;  // a split fills every warp before another split is made
+constexpr int kMinSplitKeys = kCW * kKeysPerWarp;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
 constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
 constexpr float kNegInf = -__builtin_huge_valf();
@@ -33,7 +32,6 @@ struct Plan {
   int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
   int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
   int ck;             // attention's keys per ring stage (K rows, then V rows at ck rows)
-  int variant;        // EXPERIMENT bits: 1 batched staging, 2 ring-sized unthrottled K/V chunks, 4 LL merge
 };
 
 __device__ __forceinline__ float silu(float v) { return v / (1.f + __expf(-v)); }
@@ -75,11 +73,6 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
   return si;
 }
 
-// Keys per ring stage of attention's split: as many as a slot holds (K rows, then V rows at p.ck rows).
-__device__ __forceinline__ int stage_keys(const Plan& p, int k0, int k1) {
-  return (p.variant & 2) ? p.ck : kChunk;
-}
-
 // The copy warp's lane 0: every stage of every layer, in the order the compute warps consume them. A stage
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
@@ -99,7 +92,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   int S, kvh, sp, k0, k1;
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < a.kv_heads * S;
-  const int bs = a.kv.block_size, ck = stage_keys(p, k0, k1);
+  const int bs = a.kv.block_size, ck = p.ck;
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
     uint64_t* tr = a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
@@ -111,9 +104,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       for (int u = u0; u < u1; u += U)
       for (int kp = 0; kp < ks; ++kp, ++k) {
         const uint32_t bytes = min(U, u1 - u) * row_bytes;
-        // EXPERIMENT: bit 8 one more stage in flight for gate_up and down, bit 16 for qkv too
-        const bool more = p.inflight > 0 && ((p.variant & 8) && (P == kGu || P == kDown) || (p.variant & 16) && P == kQkv);
-        acquire(more ? min(p.inflight + 1, p.slots - 1) : p.inflight);
+        acquire(p.inflight);
         if (tr && u == u0 && P != kDown) tr[P == kQkv ? 14 : P == kGu ? 15 : 18] = now_ns();
         unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
         if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
@@ -133,15 +124,16 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
         }
         if (++slot == p.slots) slot = 0, phase ^= 1;
       }
-      // After qkv: this block's keys of earlier steps for attention, a chunk per stage (K rows, then V rows
-      // at kChunk rows), page by page; the newest key is this step's and comes from shared memory.
+      // After qkv: this block's keys of earlier steps for attention, p.ck per stage (K rows, then V rows at
+      // p.ck rows), page by page; the newest key is this step's and comes from shared memory. Only the first
+      // stage waits for the in-flight limit: the later ones are on attention's path.
       // (The engine never runs a row with no context: attention consumes at least one chunk per item, as here.)
       if (P == kQkv && item) {
         const bf16* layer_kv = a.kv_cache + (int64_t)l * a.kv.layer_stride() + (int64_t)kvh * bs * kD;
         const int64_t v_off = (int64_t)a.kv_heads * bs * kD;
         for (int c0 = k0; c0 < k1; c0 += ck, ++k) {
           const int cn = min(min(k1, c0 + ck), L - 1);
-          acquire((p.variant & 32) || (p.variant & 2) && c0 != k0 ? 0 : p.inflight);  // EXPERIMENT bit 32: first too
+          acquire(c0 == k0 ? p.inflight : 0);  // a split's later stages: requested together
           if (tr && c0 == k0) tr[16] = now_ns();
           unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
           if (cn > c0) {
@@ -164,10 +156,6 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
     }
   }
 }
-
-// Global counters, zeroed before each launch: one per layer and KV head (its splits' arrivals), on its own
-// 128-byte line.
-constexpr int kCounterInts = 32;
 
 // Activations pass between blocks as LL words (the flag-in-data protocol): 8 bytes {two bf16, flag}, each
 // word one 64-bit access (single-copy atomic), so a reader that sees the flag sees the data. The flag names
@@ -195,105 +183,68 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 }
 
 // A GEMV's input in shared memory as bf16, polled from the LL words every block wrote (flag), RMSNorm
-// applied with the rmsnorm kernel's roundings (each thread on the elements it staged).
+// applied with the rmsnorm kernel's roundings (each thread on the elements it staged). A round of loads is
+// issued at once, then only the words not yet flagged are polled again: one trip through L2 per round once
+// the last writer is done (a load at a time took one per 1024 elements).
 constexpr int kStageLoads = 6;  // LL loads per thread in flight (RMSNorm's K: at most one round of them)
 template <bool NORM>
-__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red,
-                            bool batched) {
+__device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int K, float eps, bf16* sx, float* red) {
   const int tid = threadIdx.x, lane = tid & 31;
-  if (batched) {
-    // A round of loads issued at once, then only the words not yet flagged polled again: one trip through
-    // L2 per round once the last writer is done, where a load at a time took one per 1024 elements.
-    for (int kr = 0; kr < K; kr += kStageLoads * kCThreads * 4) {
-      unsigned long long w[kStageLoads][2];
-      uint2 g[kStageLoads];
-      auto in = [&](int i) { return kr + (tid + i * kCThreads) * 4 < K; };
-      auto ld = [&](int i) {
-        asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n"
-                     : "=l"(w[i][0]), "=l"(w[i][1]) : "l"(src + (kr + (tid + i * kCThreads) * 4) / 2) : "memory");
-      };
+  for (int kr = 0; kr < K; kr += kStageLoads * kCThreads * 4) {
+    unsigned long long w[kStageLoads][2];
+    uint2 g[kStageLoads];
+    auto in = [&](int i) { return kr + (tid + i * kCThreads) * 4 < K; };
+    auto ld = [&](int i) {
+      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n"
+                   : "=l"(w[i][0]), "=l"(w[i][1]) : "l"(src + (kr + (tid + i * kCThreads) * 4) / 2) : "memory");
+    };
+#pragma unroll
+    for (int i = 0; i < kStageLoads; ++i)
+      if (in(i)) {
+        ld(i);
+        if (NORM) g[i] = __ldg(reinterpret_cast<const uint2*>(nw + kr + (tid + i * kCThreads) * 4));
+      }
+    bool again;
+    do {
+      again = false;
 #pragma unroll
       for (int i = 0; i < kStageLoads; ++i)
-        if (in(i)) {
-          ld(i);
-          if (NORM) g[i] = __ldg(reinterpret_cast<const uint2*>(nw + kr + (tid + i * kCThreads) * 4));
-        }
-      bool again;
-      do {
-        again = false;
-#pragma unroll
-        for (int i = 0; i < kStageLoads; ++i)
-          if (in(i) && ((uint32_t)(w[i][0] >> 32) != flag || (uint32_t)(w[i][1] >> 32) != flag)) again = true, ld(i);
-      } while (again);
-      float rstd = 0.f;
-      if (NORM) {
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < kStageLoads; ++i) {
-          if (!in(i)) continue;
-          const uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[0]));
-          const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[1]));
-          ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
-        }
-        for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-        if (lane == 0) red[tid >> 5] = ss;
-        compute_sync();
-        float tot = 0.f;
-#pragma unroll
-        for (int wi = 0; wi < kCW; ++wi) tot += red[wi];
-        rstd = rsqrtf(tot / K + eps);
-      }
+        if (in(i) && ((uint32_t)(w[i][0] >> 32) != flag || (uint32_t)(w[i][1] >> 32) != flag)) again = true, ld(i);
+    } while (again);
+    float rstd = 0.f;
+    if (NORM) {
+      float ss = 0.f;
 #pragma unroll
       for (int i = 0; i < kStageLoads; ++i) {
         if (!in(i)) continue;
-        uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
-        if (NORM) {
-          const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&g[i]);
+        const uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[0]));
+        const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&d[1]));
+        ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
+      }
+      for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      if (lane == 0) red[tid >> 5] = ss;
+      compute_sync();
+      float tot = 0.f;
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&d[q]);
-            const float2 f = __bfloat1622float2(*o), gw = __bfloat1622float2(wp[q]);
-            const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
-            *o = __floats2bfloat162_rn(n.x * gw.x, n.y * gw.y);
-          }
+      for (int wi = 0; wi < kCW; ++wi) tot += red[wi];
+      rstd = rsqrtf(tot / K + eps);
+    }
+#pragma unroll
+    for (int i = 0; i < kStageLoads; ++i) {
+      if (!in(i)) continue;
+      uint32_t d[2] = {(uint32_t)w[i][0], (uint32_t)w[i][1]};
+      if (NORM) {
+        const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&g[i]);
+#pragma unroll
+        for (int q = 0; q < 2; ++q) {
+          __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&d[q]);
+          const float2 f = __bfloat1622float2(*o), gw = __bfloat1622float2(wp[q]);
+          const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
+          *o = __floats2bfloat162_rn(n.x * gw.x, n.y * gw.y);
         }
-        *reinterpret_cast<uint2*>(sx + kr + (tid + i * kCThreads) * 4) = make_uint2(d[0], d[1]);
       }
-    }
-    compute_sync();
-    return;
-  }
-  float ss = 0.f;
-  for (int k = tid * 4; k < K; k += kCThreads * 4) {
-    const uint4 v = ll_load(src + k / 2, flag);
-    *reinterpret_cast<uint2*>(sx + k) = make_uint2(v.x, v.z);
-    if (NORM) {
-      const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.x));
-      const float2 h = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v.z));
-      ss += f.x * f.x + f.y * f.y + h.x * h.x + h.y * h.y;
-    }
-  }
-  if (NORM) {
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (lane == 0) red[tid >> 5] = ss;
-    compute_sync();
-    float tot = 0.f;
-#pragma unroll
-    for (int w = 0; w < kCW; ++w) tot += red[w];
-    const float rstd = rsqrtf(tot / K + eps);
-    for (int k = tid * 4; k < K; k += kCThreads * 4) {
-      const uint2 wv = __ldg(reinterpret_cast<const uint2*>(nw + k));
-      const __nv_bfloat162* wp = reinterpret_cast<const __nv_bfloat162*>(&wv);
-      uint2 v = *reinterpret_cast<const uint2*>(sx + k);
-      __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(&v);
-#pragma unroll
-      for (int q = 0; q < 2; ++q) {
-        const float2 f = __bfloat1622float2(o[q]), g = __bfloat1622float2(wp[q]);
-        const float2 n = __bfloat1622float2(__floats2bfloat162_rn(f.x * rstd, f.y * rstd));
-        o[q] = __floats2bfloat162_rn(n.x * g.x, n.y * g.y);
-      }
-      *reinterpret_cast<uint2*>(sx + k) = v;
+      *reinterpret_cast<uint2*>(sx + kr + (tid + i * kCThreads) * 4) = make_uint2(d[0], d[1]);
     }
   }
   compute_sync();
@@ -405,18 +356,18 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
 
 // Decode attention of this layer for the one sequence: block b < kv_heads * S takes KV head b % kv_heads
 // and key split b / kv_heads, with the group's 4 query heads. q/k RMSNorm + RoPE and the K/V write of the
-// new token happen here; its k and v are used from shared memory. Splits merge in the last block to
-// arrive per KV head. Scores and P.V run on CUDA cores: a warp reads 8 keys' K and V rows (4 dims per lane)
-// from the ring stage the copy warp filled with this split's chunk.
-__device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, int* ctr, float* scratch,
-                                int* flag, uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
+// new token happen here; its k and v are used from shared memory. The keys of earlier steps come through
+// the ring (stages of p.ck keys the copy warp filled). Each split publishes its partial (P.V, max and sum
+// per head) as LL words, and every split's block merges a slice of the group's outputs from all of them.
+__device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeights& w, float* scratch, const float2* scs,
+                                uint64_t* tr, const uint2* qkv_ll, uint32_t f_qkv, uint2* attn_ll,
                                 uint32_t f_attn, uint32_t f_part, const StepInfo& si, const Plan& p, const unsigned char* ring,
                                 uint64_t* full, uint64_t* empty, int& slot, uint32_t& phase) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   auto mark = [&](int e) {
     if (tr) tr[e] = now_ns();
   };
-  const int KVH = a.kv_heads, L = si.L, pos = si.pos;
+  const int KVH = a.kv_heads, L = si.L;
   int S, kvh, sp, k0, k1;
   attn_split(a, L, S, kvh, sp, k0, k1);
   const bool item = (int)blockIdx.x < KVH * S;
@@ -428,16 +379,19 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   float* wstat = scratch + kGroup * kD;
   bf16* snew = reinterpret_cast<bf16*>(wstat + kCW * 2 * kGroup);
   float* sacc = wstat + kCW * 2 * kGroup + 2 * kD;
-  const float2* cs = a.cos_sin + (int64_t)pos * (kD / 2);
+  // The norm weights are read and the RoPE row was staged (scs) before the wait for q, k and v.
   const int slot_new = si.slot_new;
+  const float2 c[4] = {scs[(lane & 15) * 4], scs[(lane & 15) * 4 + 1], scs[(lane & 15) * 4 + 2], scs[(lane & 15) * 4 + 3]};
   if (warp < kGroup) {
+    const uint2 nw = __ldg(reinterpret_cast<const uint2*>(w.q_norm + lane * 4));
     const uint4 v = ll_load(qkv_ll + ((kvh * kGroup + warp) * kD + lane * 4) / 2, f_qkv);
-    *reinterpret_cast<uint2*>(sqb + warp * kD + lane * 4) = qk_norm_rope_lane(make_uint2(v.x, v.z), w.q_norm, cs, a.eps, lane);
+    *reinterpret_cast<uint2*>(sqb + warp * kD + lane * 4) = qk_norm_rope_vals(make_uint2(v.x, v.z), nw, c, a.eps, lane);
   } else if (k1 == L && warp < kGroup + 2) {  // the split that holds the new token: its k (warp 4) and v (warp 5)
     const bool is_v = warp == kGroup + 1;
+    const uint2 nw = is_v ? make_uint2(0, 0) : __ldg(reinterpret_cast<const uint2*>(w.k_norm + lane * 4));
     const uint4 v = ll_load(qkv_ll + ((a.heads + (is_v ? KVH : 0) + kvh) * kD + lane * 4) / 2, f_qkv);
     const uint2 raw = make_uint2(v.x, v.z);
-    const uint2 r = is_v ? raw : qk_norm_rope_lane(raw, w.k_norm, cs, a.eps, lane);
+    const uint2 r = is_v ? raw : qk_norm_rope_vals(raw, nw, c, a.eps, lane);
     *reinterpret_cast<uint2*>(snew + (is_v ? kD : 0) + lane * 4) = r;
     if (slot_new >= 0)
       *reinterpret_cast<uint2*>(a.kv_cache + kv_row_offset(a.kv, l, slot_new, kvh, is_v) + lane * 4) = r;
@@ -462,7 +416,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   float m_run = kNegInf, l_run = 0.f;  // of head g (lanes g < 4)
   // Groups of 8 keys go round robin over the warps across the split's stages; each warp keeps its own
   // running max and sum (the warps merge at the end, as splits do).
-  const int ck = stage_keys(p, k0, k1);
+  const int ck = p.ck;
   bool first = true;
   for (int sk = k0; sk < k1; sk += ck) {
     mbar_wait(&full[slot], phase);
@@ -531,8 +485,6 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
     *reinterpret_cast<float4*>(sacc + (warp * kGroup + h) * kD + lane * 4) = make_float4(acc[h][0], acc[h][1], acc[h][2], acc[h][3]);
   if (t == 0 && g < kGroup) wstat[warp * 8 + g] = m_run, wstat[warp * 8 + 4 + g] = l_run;
   compute_sync();
-  const bool llm = p.variant & 4;
-  float* part = a.ws + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   uint2* part_ll = reinterpret_cast<uint2*>(a.ws) + (int64_t)(kvh * kMaxSplits + sp) * kPartial;
   for (int e = tid; e < kGroup * kD; e += kCThreads) {
     const int h = e / kD;
@@ -545,8 +497,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       const float mw = wstat[w2 * 8 + h];
       s += mw == kNegInf ? 0.f : exp2f(mw - M) * sacc[w2 * kGroup * kD + e];
     }
-    if (llm) ll_store(part_ll + e, __float_as_uint(s), f_part);
-    else part[e] = s;
+    ll_store(part_ll + e, __float_as_uint(s), f_part);
   }
   if (tid < kGroup) {
     float M = kNegInf, l = 0.f;
@@ -557,89 +508,47 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
       const float mw = wstat[w2 * 8 + tid];
       l += mw == kNegInf ? 0.f : exp2f(mw - M) * wstat[w2 * 8 + 4 + tid];
     }
-    if (llm) ll_store2(part_ll + kGroup * kD + 2 * tid, __float_as_uint(M), __float_as_uint(l), f_part);
-    else part[kGroup * kD + tid] = M, part[kGroup * kD + kGroup + tid] = l;
+    ll_store2(part_ll + kGroup * kD + 2 * tid, __float_as_uint(M), __float_as_uint(l), f_part);
   }
-  if (llm) {
-    // Every split's block merges a slice of the group's value pairs (an eighth... of 256), polling the partial
-    // words of every split for it: one trip once the slowest split is done, and no counter.
-    mark(27);
-    const int np = kGroup * kD / 2, j0 = np * sp / S, n = np * (sp + 1) / S - j0;
-    const uint2* base = reinterpret_cast<const uint2*>(a.ws) + (int64_t)kvh * kMaxSplits * kPartial;
-    compute_sync();  // sacc is free: the exchange, [S][n] pairs and [S][kGroup] (m, l)
-    float2* xo = reinterpret_cast<float2*>(sacc);
-    float2* xm = xo + np + kMaxSplits;
-    for (int it = tid; it < n * S; it += kCThreads) {
-      const int s2 = it / n, j = j0 + it % n, h = 2 * j / kD;
-      const uint2* po = base + s2 * kPartial + 2 * j;
-      const uint2* pm = base + s2 * kPartial + kGroup * kD + 2 * h;
-      unsigned long long o0, o1, m0, m1;
-      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
-      asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
-      for (;;) {
-        const bool oo = (uint32_t)(o0 >> 32) == f_part && (uint32_t)(o1 >> 32) == f_part;
-        const bool om = (uint32_t)(m0 >> 32) == f_part && (uint32_t)(m1 >> 32) == f_part;
-        if (oo && om) break;
-        if (!oo) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
-        if (!om) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
-      }
-      xo[it] = make_float2(__uint_as_float((uint32_t)o0), __uint_as_float((uint32_t)o1));
-      xm[s2 * kGroup + h] = make_float2(__uint_as_float((uint32_t)m0), __uint_as_float((uint32_t)m1));  // alike where repeated
-    }
-    compute_sync();
-    for (int jj = tid; jj < n; jj += kCThreads) {
-      const int h = 2 * (j0 + jj) / kD;
-      float M = kNegInf, den = 0.f, n0 = 0.f, n1 = 0.f;
-      for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, xm[s2 * kGroup + h].x);
-      for (int s2 = 0; s2 < S; ++s2) {
-        const float2 ml = xm[s2 * kGroup + h], o = xo[s2 * n + jj];
-        const float wgt = ml.x == kNegInf ? 0.f : exp2f(ml.x - M);
-        den += wgt * ml.y, n0 += wgt * o.x, n1 += wgt * o.y;
-      }
-      const float inv = den > 0.f ? 1.f / den : 0.f;
-      ll_store(attn_ll + (kvh * kGroup * kD) / 2 + j0 + jj, pack2(n0 * inv, n1 * inv), f_attn);
-    }
-    compute_sync();  // the exchange aliases the o projection's staged input
-    mark(28);
-    return;
-  }
-  compute_sync();
-  if (tid == 0) {  // acq_rel: releases this block's partial, acquires the others' for the last
-    int old;
-    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;\n" : "=r"(old) : "l"(ctr + kvh * kCounterInts) : "memory");
-    *flag = old == S - 1;
-  }
-  compute_sync();
+  // Every split's block merges a slice of the group's 256 value pairs, polling the partial words of every
+  // split for it: one trip once the slowest split is done (a counter and a last arriver cost two).
   mark(27);
-  if (!*flag) return;
-  // The merge: thread t < 128 takes 4 elements of head t / 32, with every split's m, l and partial
-  // requested at once (one round trip).
-  const float* base = a.ws + (int64_t)kvh * kMaxSplits * kPartial;
-  if (tid < kGroup * kD / 4) {
-    const int h = tid / (kD / 4);
-    float m[kMaxSplits], ls[kMaxSplits];
-    float4 o[kMaxSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {
-      const float* ps = base + s * kPartial;
-      m[s] = s < S ? __ldcg(ps + kGroup * kD + h) : kNegInf;
-      ls[s] = s < S ? __ldcg(ps + kGroup * kD + kGroup + h) : 0.f;
-      o[s] = s < S ? __ldcg(reinterpret_cast<const float4*>(ps) + tid) : make_float4(0.f, 0.f, 0.f, 0.f);
+  const int np = kGroup * kD / 2, j0 = np * sp / S, n = np * (sp + 1) / S - j0;
+  const uint2* base = reinterpret_cast<const uint2*>(a.ws) + (int64_t)kvh * kMaxSplits * kPartial;
+  compute_sync();  // sacc is free: the exchange, [S][n] pairs and [S][kGroup] (m, l)
+  float2* xo = reinterpret_cast<float2*>(sacc);
+  float2* xm = xo + np + kMaxSplits;
+  for (int it = tid; it < n * S; it += kCThreads) {
+    const int s2 = it / n, j = j0 + it % n, h = 2 * j / kD;
+    const uint2* po = base + s2 * kPartial + 2 * j;
+    const uint2* pm = base + s2 * kPartial + kGroup * kD + 2 * h;
+    unsigned long long o0, o1, m0, m1;
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
+    asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
+    for (;;) {
+      const bool oo = (uint32_t)(o0 >> 32) == f_part && (uint32_t)(o1 >> 32) == f_part;
+      const bool om = (uint32_t)(m0 >> 32) == f_part && (uint32_t)(m1 >> 32) == f_part;
+      if (oo && om) break;
+      if (!oo) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(o0), "=l"(o1) : "l"(po) : "memory");
+      if (!om) asm volatile("ld.relaxed.gpu.global.v2.u64 {%0,%1}, [%2];\n" : "=l"(m0), "=l"(m1) : "l"(pm) : "memory");
     }
-    float M = kNegInf, den = 0.f;
-    float4 num = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) M = fmaxf(M, m[s]);
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) {
-      const float wgt = m[s] == kNegInf ? 0.f : exp2f(m[s] - M);
-      den += wgt * ls[s];
-      num.x += wgt * o[s].x, num.y += wgt * o[s].y, num.z += wgt * o[s].z, num.w += wgt * o[s].w;
+    xo[it] = make_float2(__uint_as_float((uint32_t)o0), __uint_as_float((uint32_t)o1));
+    xm[s2 * kGroup + h] = make_float2(__uint_as_float((uint32_t)m0), __uint_as_float((uint32_t)m1));  // alike where repeated
+  }
+  compute_sync();
+  for (int jj = tid; jj < n; jj += kCThreads) {
+    const int h = 2 * (j0 + jj) / kD;
+    float M = kNegInf, den = 0.f, n0 = 0.f, n1 = 0.f;
+    for (int s2 = 0; s2 < S; ++s2) M = fmaxf(M, xm[s2 * kGroup + h].x);
+    for (int s2 = 0; s2 < S; ++s2) {
+      const float2 ml = xm[s2 * kGroup + h], o = xo[s2 * n + jj];
+      const float wgt = ml.x == kNegInf ? 0.f : exp2f(ml.x - M);
+      den += wgt * ml.y, n0 += wgt * o.x, n1 += wgt * o.y;
     }
     const float inv = den > 0.f ? 1.f / den : 0.f;
-    ll_store2(attn_ll + (kvh * kGroup * kD + tid * 4) / 2, pack2(num.x * inv, num.y * inv), pack2(num.z * inv, num.w * inv),
-              f_attn);
+    ll_store(attn_ll + (kvh * kGroup * kD) / 2 + j0 + jj, pack2(n0 * inv, n1 * inv), f_attn);
   }
+  compute_sync();  // the exchange aliases the o projection's staged input
   mark(28);
 }
 
@@ -652,7 +561,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   __shared__ float red[kCW];
   __shared__ __align__(16) float gred[kRed];
   __shared__ float sres[kMaxRowsPerBlock];
-  __shared__ int flag;
+  __shared__ float2 scs[kD / 2];  // the step's RoPE cos/sin row (one position for every layer)
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
     mbar_init_fence();
@@ -662,7 +571,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
     return;
   }
-  const int G = gridDim.x, H = a.hidden, per_layer = a.kv_heads * kCounterInts, tid = threadIdx.x;
+  const int G = gridDim.x, H = a.hidden, tid = threadIdx.x;
   // LL buffers after the attention partials (persistent_ws_floats()), then the step counter.
   uint2* x_ll = reinterpret_cast<uint2*>(a.ws) + (int64_t)a.kv_heads * kMaxSplits * kPartial;  // after the partials' words
   uint2* qkv_ll = x_ll + H / 2;
@@ -673,6 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
   const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
   const StepInfo si = step_info(a);
+  if (tid < kD / 2) scs[tid] = a.cos_sin[(int64_t)si.pos * (kD / 2) + tid];  // read after the next compute_sync
   // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
   {
     const int r0 = range_begin(H, blockIdx.x, G), nr = range_begin(H, blockIdx.x + 1, G) - r0;
@@ -687,7 +597,6 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   for (int l = 0; l < a.num_layers; ++l) {
     const LayerWeights w = a.layers[l];
     const uint32_t F = base + 8u * l;
-    int* ctr = a.counters + l * per_layer;
     uint64_t* tr = a.trace && l == kPersistentTraceLayer && tid == 0 ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
     auto mark = [&](int e) {
       if (tr) tr[e] = now_ns();
@@ -700,11 +609,10 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
       mark(ev);
       if (P == kQkv || P == kGu)
-        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red,
-                         p.variant & 1);
+        stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
       else
         stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
-                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red, p.variant & 1);
+                           P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
       mark(ev + 1);
       uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
       const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
@@ -712,7 +620,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
-        attention_phase(a, l, w, ctr, reinterpret_cast<float*>(sx), &flag, tr, qkv_ll, F + 2, attn_ll, F + 3, F + 6, si, p, ring,
+        attention_phase(a, l, w, reinterpret_cast<float*>(sx), scs, tr, qkv_ll, F + 2, attn_ll, F + 3, F + 6, si, p, ring,
                         full, empty, slot, phase);
         mark(4);
       }
@@ -741,7 +649,7 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   const int K[kProjs] = {H, heads * kD, H, I};
   const int x_elems = std::max({H, heads * kD, I});
   p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
-  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + 64) * 4;  // static shared
+  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + kD + 64) * 4;  // static shared
   for (int P = 0; P < kProjs; ++P) {
     const int pair_bytes = 2 * K[P] * 2, chunks = K[P] / 256;
     int n = 1, ks = 1;
@@ -750,7 +658,7 @@ Plan make_plan(int H, int I, int heads, int inflight) {
     p.pairs[P] = n, p.ksplit[P] = ks;
     p.slot_bytes = std::max(p.slot_bytes, ks == 1 ? n * pair_bytes : 2 * ((chunks + ks - 1) / ks) * 512);
   }
-  p.slot_bytes = std::max(p.slot_bytes, 2 * kChunk * kD * 2);  // a chunk of attention's K and V
+  p.slot_bytes = std::max(p.slot_bytes, 2 * kMinSplitKeys * kD * 2);  // attention's K and V of a split's keys
   p.slots = std::min(kMaxSlots, budget / p.slot_bytes);
   p.smem = kBarBytes + p.x_bytes + p.slots * p.slot_bytes;
   // Stages in flight: enough for ~64 KB per SM (4B: one 40 KB stage, 8B: two of 32 KB measured fastest; more
@@ -759,7 +667,6 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   if (inflight < 0) inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
   p.inflight = inflight < p.slots ? inflight : 0;
   p.ck = p.slot_bytes / (2 * kD * 2);
-  p.variant = persistent_variant();
   return p;
 }
 
@@ -801,11 +708,6 @@ int& persistent_inflight() {
   return n;
 }
 
-int& persistent_variant() {
-  static int v = 7;
-  return v;
-}
-
 int& persistent_decode() {
   static int mode = 1;
   return mode;
@@ -818,9 +720,6 @@ bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int 
   return make_plan(hidden, intermediate, heads, 0).slots >= 2;
 }
 
-int64_t persistent_counter_ints(int num_layers, int kv_heads) {
-  return (int64_t)num_layers * kv_heads * kCounterInts;
-}
 int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
   const int64_t ll_words = hidden / 2 + (heads + 2 * kv_heads) * kD / 2 + heads * kD / 2 + intermediate / 2;
   return 2 * ((int64_t)kv_heads * kMaxSplits * kPartial + ll_words) + 4;  // + the step counter
@@ -828,7 +727,7 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
   const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
-  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kChunk * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
+  OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kMinSplitKeys * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
                plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");
   static int configured = 0;  // one attribute call for the largest plan seen (capture safe afterwards)
@@ -836,7 +735,6 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
     OI_CUDA_CHECK(cudaFuncSetAttribute(persistent_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, p.smem));
     configured = p.smem;
   }
-  OI_CUDA_CHECK(cudaMemsetAsync(a.counters, 0, persistent_counter_ints(a.num_layers, a.kv_heads) * sizeof(int), s));
   cudaLaunchAttribute coop{};
   coop.id = cudaLaunchAttributeCooperative;  // every block resident: blocks wait on each other's words
   coop.val.cooperative = 1;
