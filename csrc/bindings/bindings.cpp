@@ -288,9 +288,6 @@ PYBIND11_MODULE(_engine, m) {
   ops.def("persistent_fits", [](int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
     return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
   }, "whether persistent_layers() serves this geometry on the current device");
-  ops.def("persistent_inflight_stream", [](int n) { persistent_inflight_stream() = n; },
-          "stages in flight while the compute warps stream rather than wait for other blocks (-1: one more than "
-          "persistent_inflight, the default; 0: no more)");
   ops.def("persistent_inflight", [](int n) { persistent_inflight() = n; },
           "stages a block of persistent_layers() keeps requested and not yet landed (-1: ~64 KB, the default; 0: the ring bounds them)");
   ops.def("persistent_trace", [](bool on) {

@@ -31,7 +31,6 @@ struct Plan {
   int pairs[kProjs];   // row pairs per ring stage (gate_up: a gate row and its up row); kCW / pairs warps per pair
   int ksplit[kProjs];  // pieces of K per row pair (pairs == 1 where > 1): a pair too large for one stage
   int inflight;       // most stages requested and not yet landed (0: the ring bounds them)
-  int inflight_stream;  // the same while the compute warps stream stages (wait for no other block's words)
   int ck;             // attention's keys per ring stage (K rows, then V rows at ck rows)
 };
 
@@ -78,14 +77,12 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
 // has landed, so that fewer bytes queue in the memory system ahead of the LL reads.
-__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty,
-                        const volatile int* waiting) {
+__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
   auto acquire = [&](int inflight) {  // the next slot, once free and (inflight > 0) once the stage inflight back landed
     mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-    if (inflight > 0 && !*waiting) inflight = p.inflight_stream;
     if (inflight > 0 && k >= inflight) {
       const int e = k - inflight;
       mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
@@ -565,18 +562,13 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   __shared__ __align__(16) float gred[kRed];
   __shared__ float sres[kMaxRowsPerBlock];
   __shared__ float2 scs[kD / 2];  // the step's RoPE cos/sin row (one position for every layer)
-  // Whether the compute warps wait for other blocks' LL words (staging, attention): the copy warp then keeps
-  // p.inflight stages in flight, else p.inflight_stream. More bytes queued ahead of those reads delay them;
-  // while the compute warps stream stages, more in flight lands each stage sooner.
-  __shared__ int waiting;
   if (threadIdx.x == 0) {
     for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
-    waiting = 1;
     mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= kCThreads) {
-    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty, &waiting);
+    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
     return;
   }
   const int G = gridDim.x, H = a.hidden, tid = threadIdx.x;
@@ -616,21 +608,18 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
     for (int P = 0; P < kProjs; ++P) {
       const int ev = P == kQkv ? 1 : P == kO ? 5 : P == kGu ? 8 : 11;  // trace events of this phase
       mark(ev);
-      if (tid == 0) *reinterpret_cast<volatile int*>(&waiting) = 1;
       if (P == kQkv || P == kGu)
         stage_input<true>(x_ll, P == kQkv ? F + 1 : F + 4, P == kQkv ? w.input_norm : w.post_norm, H, a.eps, sx, red);
       else
         stage_input<false>(P == kO ? attn_ll : act_ll, P == kO ? F + 3 : F + 5, nullptr,
                            P == kO ? a.heads * kD : a.intermediate, a.eps, sx, red);
       mark(ev + 1);
-      if (tid == 0) *reinterpret_cast<volatile int*>(&waiting) = 0;
       uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
       const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
       gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
-        if (tid == 0) *reinterpret_cast<volatile int*>(&waiting) = 1;
         attention_phase(a, l, w, reinterpret_cast<float*>(sx), scs, tr, qkv_ll, F + 2, attn_ll, F + 3, F + 6, si, p, ring,
                         full, empty, slot, phase);
         mark(4);
@@ -654,7 +643,7 @@ int smem_optin() {
 // is larger; the slot is the largest stage (or a chunk of attention's K and V). Smaller stages measured slower
 // (20 KB: 4B batch 1 3.3 ms against 2.7 at the time; docs/benchmarks.md).
 constexpr int kStageTarget = 40 * 1024;
-Plan make_plan(int H, int I, int heads, int inflight, int inflight_stream) {
+Plan make_plan(int H, int I, int heads, int inflight) {
   const int stage_target = kStageTarget;
   Plan p{};
   const int K[kProjs] = {H, heads * kD, H, I};
@@ -677,9 +666,6 @@ Plan make_plan(int H, int I, int heads, int inflight, int inflight_stream) {
   // throttle waits on the latest stage of a slot.
   if (inflight < 0) inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
   p.inflight = inflight < p.slots ? inflight : 0;
-  // While streaming: one stage more (4B: 2 x 40 KB, 8B: 3 x 32 KB), 0 as while waiting.
-  if (inflight_stream < 0) inflight_stream = p.inflight + 1;
-  p.inflight_stream = p.inflight == 0 || inflight_stream == 0 ? p.inflight : std::min(inflight_stream, p.slots - 1);
   p.ck = p.slot_bytes / (2 * kD * 2);
   return p;
 }
@@ -722,11 +708,6 @@ int& persistent_inflight() {
   return n;
 }
 
-int& persistent_inflight_stream() {
-  static int n = -1;
-  return n;
-}
-
 int& persistent_decode() {
   static int mode = 1;
   return mode;
@@ -736,7 +717,7 @@ bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int 
   if (hidden <= 0 || intermediate <= 0 || kv_heads <= 0) return false;
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
   if (hidden > kStageLoads * kCThreads * 4) return false;  // RMSNorm's input staged in one round
-  return make_plan(hidden, intermediate, heads, 0, 0).slots >= 2;
+  return make_plan(hidden, intermediate, heads, 0).slots >= 2;
 }
 
 int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
@@ -745,7 +726,7 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
-  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight(), persistent_inflight_stream());
+  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
   OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kMinSplitKeys * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
                plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");

@@ -54,8 +54,5 @@ void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 int& persistent_decode();
 // Most stages a block has requested and not yet received: -1 (default) ~64 KB, 0 as many as the ring holds.
 int& persistent_inflight();
-// The same while the compute warps stream stages rather than wait for other blocks: -1 (default) one more
-// than persistent_inflight(), 0 no more.
-int& persistent_inflight_stream();
 
 }  // namespace oi
