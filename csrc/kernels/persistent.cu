@@ -60,6 +60,7 @@ __device__ __forceinline__ Proj proj_of(const PersistentArgs& a, const LayerWeig
 // attention chained three of them (length -> key -> block table -> K/V) in every layer.
 struct StepInfo {
   int L, pos, slot_new;
+  int S, kvh, sp, k0, k1;  // attention: splits per KV head, this block's KV head, split and keys [k0, k1)
 };
 __device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& S, int& kvh, int& sp, int& k0, int& k1) {
   S = max(1, min(min(kMaxSplits, (int)gridDim.x / a.kv_heads), (L + kMinSplitKeys - 1) / kMinSplitKeys));
@@ -70,6 +71,7 @@ __device__ __forceinline__ void attn_split(const PersistentArgs& a, int L, int& 
 __device__ StepInfo step_info(const PersistentArgs& a) {
   StepInfo si;
   si.L = a.context_lens[0], si.pos = a.positions[0], si.slot_new = a.slots[0];
+  attn_split(a, si.L, si.S, si.kvh, si.sp, si.k0, si.k1);
   return si;
 }
 
@@ -77,7 +79,8 @@ __device__ StepInfo step_info(const PersistentArgs& a) {
 // is `pairs` row pairs: rows 2j and 2j + 1 at 2j and 2j + 1 row lengths, or (gate_up) gate row j at j and its
 // up row at pairs + j. With p.inflight > 0 a stage is requested only once the one p.inflight stages earlier
 // has landed, so that fewer bytes queue in the memory system ahead of the LL reads.
-__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty) {
+__device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* ring, uint64_t* full, uint64_t* empty,
+                        const int2* rng) {
   const uint64_t policy = l2_evict_first();
   int slot = 0, k = 0;
   uint32_t phase = 0;
@@ -98,7 +101,7 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
     uint64_t* tr = a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr;
     for (int P = 0; P < kProjs; ++P) {
       const Proj pr = proj_of(a, w, P);
-      const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+      const int u0 = rng[P].x, u1 = rng[P].y;
       const uint32_t row_bytes = pr.K * 2;
       const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], ks = p.ksplit[P], chunks = pr.K / 256;
       for (int u = u0; u < u1; u += U)
@@ -268,12 +271,12 @@ __device__ __forceinline__ void halve(float (&v)[T], int lane) {
 // 16 bytes of row A in MMA row g and of row B in row g + 8, its input elements in B column g). Each warp's
 // two sums per stage go to shared memory; after the last stage the block adds the parts in order
 // (deterministic) and writes the outputs.
-__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, const bf16* sx,
+__device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const Plan& p, const Proj& pr, int2 rng, const bf16* sx,
                                            float* sres, float* red, const unsigned char* ring, uint64_t* full,
                                            uint64_t* empty, int& slot, uint32_t& phase, uint64_t* tr, uint2* out,
                                            uint32_t flag) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int u0 = range_begin(pr.units, blockIdx.x, gridDim.x), u1 = range_begin(pr.units, blockIdx.x + 1, gridDim.x);
+  const int u0 = rng.x, u1 = rng.y;
   const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs, ks = p.ksplit[P];
   const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per row group
   const int j = warp / parts, sp = warp % parts;
@@ -367,9 +370,7 @@ __device__ void attention_phase(const PersistentArgs& a, int l, const LayerWeigh
   auto mark = [&](int e) {
     if (tr) tr[e] = now_ns();
   };
-  const int KVH = a.kv_heads, L = si.L;
-  int S, kvh, sp, k0, k1;
-  attn_split(a, L, S, kvh, sp, k0, k1);
+  const int KVH = a.kv_heads, L = si.L, S = si.S, kvh = si.kvh, sp = si.sp, k0 = si.k0, k1 = si.k1;
   const bool item = (int)blockIdx.x < KVH * S;
 
   if (!item) return;
@@ -562,13 +563,20 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   __shared__ __align__(16) float gred[kRed];
   __shared__ float sres[kMaxRowsPerBlock];
   __shared__ float2 scs[kD / 2];  // the step's RoPE cos/sin row (one position for every layer)
+  __shared__ int2 rng[kProjs];    // the block's units [u0, u1) of each projection: divisions once per launch
+  __shared__ StepInfo ssi;        // the step's sequence and this block's attention split
   if (threadIdx.x == 0) {
+    ssi = step_info(a);
     for (int s = 0; s < p.slots; ++s) mbar_init(&full[s], 1), mbar_init(&empty[s], kCW);
+    for (int P = 0; P < kProjs; ++P) {
+      const int n = proj_of(a, LayerWeights{}, P).units;
+      rng[P] = make_int2(range_begin(n, blockIdx.x, gridDim.x), range_begin(n, blockIdx.x + 1, gridDim.x));
+    }
     mbar_init_fence();
   }
   __syncthreads();
   if (threadIdx.x >= kCThreads) {
-    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty);
+    if (threadIdx.x == kCThreads) produce(a, p, ring, full, empty, rng);
     return;
   }
   const int G = gridDim.x, H = a.hidden, tid = threadIdx.x;
@@ -581,7 +589,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
   // Flags: layer l's phases are base + 8 l + {1: x in, 2: qkv, 3: attention, 4: x after o, 5: SiLU·up}; every
   // block reads base before any block can finish (each needs every block's words), and block 0 moves it on.
   const uint32_t base = *reinterpret_cast<volatile uint32_t*>(epoch);
-  const StepInfo si = step_info(a);
+  const StepInfo& si = ssi;
   if (tid < kD / 2) scs[tid] = a.cos_sin[(int64_t)si.pos * (kD / 2) + tid];  // read after the next compute_sync
   // The block's rows of x (o and down own the same rows): kept in shared memory, published for qkv.
   {
@@ -616,7 +624,7 @@ __global__ void __launch_bounds__(kThreads, 1) persistent_kernel(PersistentArgs 
       mark(ev + 1);
       uint2* out = P == kQkv ? qkv_ll : P == kGu ? act_ll : x_ll;
       const uint32_t f_out = P == kQkv ? F + 2 : P == kO ? F + 4 : P == kGu ? F + 5 : F + 8 + 1;
-      gemv_phase(P, a, p, proj_of(a, w, P), sx, sres, gred, ring, full, empty, slot, phase,
+      gemv_phase(P, a, p, proj_of(a, w, P), rng[P], sx, sres, gred, ring, full, empty, slot, phase,
                  a.trace && l == kPersistentTraceLayer ? a.trace + blockIdx.x * kPersistentEvents : nullptr, out, f_out);
       mark(ev + 2);
       if (P == kQkv) {
@@ -649,7 +657,7 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   const int K[kProjs] = {H, heads * kD, H, I};
   const int x_elems = std::max({H, heads * kD, I});
   p.x_bytes = (std::max<int>(x_elems * 2, kScratchFloats * 4) + 127) / 128 * 128;
-  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + kD + 64) * 4;  // static shared
+  const int budget = smem_optin() - kBarBytes - p.x_bytes - (kRed + 2 * kCW + kMaxRowsPerBlock + kD + 2 * kProjs + 64) * 4;  // static shared
   for (int P = 0; P < kProjs; ++P) {
     const int pair_bytes = 2 * K[P] * 2, chunks = K[P] / 256;
     int n = 1, ks = 1;
