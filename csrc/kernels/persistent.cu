@@ -7,7 +7,7 @@
 namespace oi {
 namespace {
 
-constexpr int kCW = 8;                      // compute warps: all of them consume every ring slot
+constexpr int kCW = 8;                      // compute warps: all of them consume every ring slot (log2: 3)
 constexpr int kMaxSlots = 16;                // most ring slots (their mbarriers: the first 256 bytes)
 constexpr int kBarBytes = 2 * kMaxSlots * 8;
 constexpr int kThreads = (kCW + 1) * 32;     // the compute warps, then the copy warp
@@ -86,9 +86,11 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
   uint32_t phase = 0;
   auto acquire = [&](int inflight) {  // the next slot, once free and (inflight > 0) once the stage inflight back landed
     mbar_wait(&empty[slot], phase ^ 1);  // the first pass finds every slot free
-    if (inflight > 0 && k >= inflight) {
-      const int e = k - inflight;
-      mbar_wait(&full[e % p.slots], (e / p.slots) & 1);
+    if (inflight > 0 && k >= inflight) {  // stage k - inflight: its slot and phase without a division
+      int es = slot - inflight;
+      uint32_t ep = phase;
+      if (es < 0) es += p.slots, ep ^= 1;
+      mbar_wait(&full[es], ep);
     }
   };
   const int L = a.context_lens[0];
@@ -106,25 +108,26 @@ __device__ void produce(const PersistentArgs& a, const Plan& p, unsigned char* r
       const int U = P == kGu ? p.pairs[P] : 2 * p.pairs[P], ks = p.ksplit[P], chunks = pr.K / 256;
       for (int u = u0; u < u1; u += U)
       for (int kp = 0; kp < ks; ++kp, ++k) {
-        const uint32_t bytes = min(U, u1 - u) * row_bytes;
+        // The stage's copies worked out first: once the throttle lets it go, the stage is only issued (at one
+        // stage in flight, every cycle from a landing to the next request idles this SM's stream).
+        // Row A's bytes (or pieces of K: ks > 1, of a stride of the largest piece), then gate_up's up rows or
+        // row B's piece at offB.
+        uint32_t nA = min(U, u1 - u) * row_bytes, offB = 0;
+        const bf16 *srcA = pr.W + (int64_t)u * pr.K, *srcB = nullptr;
+        if (ks > 1) {
+          const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
+          nA = (cB - cA) * 512, offB = (chunks + ks - 1) / ks * 512;
+          srcA += cA * 256;
+          srcB = pr.W + (P == kGu ? (int64_t)pr.units + u : u + 1) * pr.K + cA * 256;
+        } else if (P == kGu) {
+          offB = U * row_bytes, srcB = pr.W + ((int64_t)pr.units + u) * pr.K;
+        }
+        unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
         acquire(p.inflight);
         if (tr && u == u0 && P != kDown) tr[P == kQkv ? 14 : P == kGu ? 15 : 18] = now_ns();
-        unsigned char* dst = ring + (size_t)slot * p.slot_bytes;
-        if (ks > 1) {  // one pair's piece of K: row A's piece, then row B's at a stride of the largest piece
-          const int cA = kp * chunks / ks, cB = (kp + 1) * chunks / ks;
-          const uint32_t piece = (cB - cA) * 512, stride = (chunks + ks - 1) / ks * 512;
-          const int64_t rowB = P == kGu ? (int64_t)pr.units + u : u + 1;
-          mbar_expect_tx(&full[slot], 2 * piece);
-          bulk_load(dst, pr.W + (int64_t)u * pr.K + cA * 256, piece, &full[slot], policy);
-          bulk_load(dst + stride, pr.W + rowB * pr.K + cA * 256, piece, &full[slot], policy);
-        } else if (P == kGu) {
-          mbar_expect_tx(&full[slot], 2 * bytes);
-          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
-          bulk_load(dst + (size_t)U * row_bytes, pr.W + ((int64_t)pr.units + u) * pr.K, bytes, &full[slot], policy);
-        } else {
-          mbar_expect_tx(&full[slot], bytes);
-          bulk_load(dst, pr.W + (int64_t)u * pr.K, bytes, &full[slot], policy);
-        }
+        mbar_expect_tx(&full[slot], srcB ? 2 * nA : nA);
+        bulk_load(dst, srcA, nA, &full[slot], policy);
+        if (srcB) bulk_load(dst + offB, srcB, nA, &full[slot], policy);
         if (++slot == p.slots) slot = 0, phase ^= 1;
       }
       // After qkv: this block's keys of earlier steps for attention, p.ck per stage (K rows, then V rows at
@@ -277,9 +280,11 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
                                            uint32_t flag) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int u0 = rng.x, u1 = rng.y;
-  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], parts = kCW / pairs, ks = p.ksplit[P];
-  const int U = P == kGu ? pairs : 2 * pairs;  // units (rows, or gate/up pairs) per row group
-  const int j = warp / parts, sp = warp % parts;
+  // pairs and parts are powers of two: shifts, not divisions, on this phase's path
+  const int K = pr.K, chunks = K / 256, pairs = p.pairs[P], lpairs = __ffs(pairs) - 1, lparts = 3 - lpairs;
+  const int parts = 1 << lparts, ks = p.ksplit[P];
+  const int lU = P == kGu ? lpairs : lpairs + 1, U = 1 << lU;  // units (rows, or gate/up pairs) per row group
+  const int j = warp >> lparts, sp = warp & (parts - 1);
   const int rs = ks == 1 ? K : (chunks + ks - 1) / ks * 256;  // a row's stride in the stage
   const int offA = (P == kGu ? j : 2 * j) * rs, offB = (P == kGu ? pairs + j : 2 * j + 1) * rs;
   const bool trw = tr && lane == 0 && warp == 1 && P == kO;
@@ -296,14 +301,14 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
     }
     if (lane == 0) *reinterpret_cast<float2*>(red + ((pst * pairs + j) * parts + sp) * 2) = make_float2(pva, pvb);
   };
-  int cA = 0, c0 = sp * chunks / parts, c1 = (sp + 1) * chunks / parts;  // ks == 1: every stage alike
+  int cA = 0, c0 = (sp * chunks) >> lparts, c1 = ((sp + 1) * chunks) >> lparts;  // ks == 1: every stage alike
   int st = 0;
   for (int u = u0; u < u1; u += U)
   for (int kp = 0; kp < ks; ++kp, ++st) {
     if (ks > 1) {
       cA = kp * chunks / ks;
       const int n_c = (kp + 1) * chunks / ks - cA;  // this stage's chunks of K
-      c0 = sp * n_c / parts, c1 = (sp + 1) * n_c / parts;  // this warp's, from the stage's start
+      c0 = (sp * n_c) >> lparts, c1 = ((sp + 1) * n_c) >> lparts;  // this warp's, from the stage's start
     }
     const bf16* sw = reinterpret_cast<const bf16*>(ring + (size_t)slot * p.slot_bytes);
     mbar_wait(&full[slot], phase);
@@ -336,7 +341,7 @@ __device__ __forceinline__ void gemv_phase(int P, const PersistentArgs& a, const
     float y[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int q = q0 + h, s0 = q / U, r = q % U;
+      const int q = q0 + h, s0 = q >> lU, r = q & (U - 1);
       const int jj = P == kGu ? r : r >> 1, which = P == kGu ? 0 : r & 1;
       float v = 0.f, up = 0.f;
       for (int kp = 0; kp < ks; ++kp) {
