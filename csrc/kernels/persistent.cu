@@ -16,13 +16,14 @@ constexpr int kRed = 1024;                   // per-warp partial sums of one pro
 constexpr int kD = 128;                      // head_dim
 constexpr int kGroup = 4;                    // query heads per KV head
 constexpr int kMaxSplits = 16;               // key splits per KV head
-constexpr int kKeysPerWarp = 8;              // keys a warp holds in registers per chunk
+constexpr int kKeysPerWarp = 8;              // keys of one scores MMA (a warp's group of keys)
 constexpr int kMinSplitKeys = kCW * kKeysPerWarp;  // a split fills every warp before another split is made
 constexpr int kMaxRowsPerBlock = 64;         // of the residual projections (hidden / blocks)
-constexpr int kPartial = kGroup * (kD + 2);  // one split's partial: o [4][128], then m [4], l [4]
+constexpr int kPartial = kGroup * (kD + 2);  // one split's partial (LL words): o [4][128], then (m, l) [4]
 constexpr float kNegInf = -__builtin_huge_valf();
-// Attention scratch (floats), aliased with the staged GEMV input: q [4][128], each warp's running max and sum
-// per head [kCW][2][4], the new token's k and v [2][128], each warp's P.V [kCW][4][128].
+// Attention scratch (in floats), aliased with the staged GEMV input: q [4][128] (bf16 in the first half), each
+// warp's running max and sum per head [kCW][2][4], the new token's k and v [2][128] (bf16), each warp's P.V
+// [kCW][4][128] (after the partial is out: the merge's exchange).
 constexpr int kScratchFloats = kGroup * kD + kCW * 2 * kGroup + 2 * kD + kCW * kGroup * kD;
 enum { kQkv, kO, kGu, kDown, kProjs };
 
