@@ -17,8 +17,10 @@ from bench_engine import Runner, model_dir
 EVENTS = ["layer start", "qkv: staging starts", "qkv: x staged (from every block)", "qkv done (published)",
           "attention done", "o: staging starts", "o: attention staged (merged)", "o done", "gate_up: staging starts",
           "gate_up: x staged (after o)", "gate_up done", "down: staging starts", "down: act staged", "down done",
-          "copy: first qkv stage", "copy: first gate_up stage", *["(unused)"] * 6,
-          "attn: first K/V chunk read", "attn: q, k, v prepared", "(unused)", "(unused)", "attn: keys done (P.V)",
+          "copy: first qkv stage", "copy: first gate_up stage", "copy: K/V stage requested", "copy: K/V stage issued",
+          "copy: first o stage", *["(unused)"] * 3,
+          "attn: first K/V stage landed", "attn: q, k, v prepared", "attn: first chunk's scores", "attn: first chunk done",
+          "attn: keys done (P.V)",
           "attn: partial written", "attn: merged", "o warp 1: data ready", "(unused)", "o warp 1: MMAs done"]
 
 
@@ -27,10 +29,14 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out", default="")
+    ap.add_argument("--knobs", default="", help="_engine.ops switches set first, as 'name=value,...'")
     a = ap.parse_args()
     import openinfer
     from openinfer import _engine
 
+    for kv in filter(None, a.knobs.split(",")):
+        name, value = kv.split("=")
+        getattr(_engine.ops, name)(int(value))
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
                            max_num_seqs=8, gpu_memory_utilization=0.5)

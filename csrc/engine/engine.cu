@@ -244,8 +244,6 @@ int64_t Engine::finalize() {
     LayerWeights* dl = static_cast<LayerWeights*>(alloc(lw_bytes, &act_bytes_));
     OI_CUDA_CHECK(cudaMemcpy(dl, w_.layers.data(), lw_bytes, cudaMemcpyHostToDevice));
     w_.dev_layers = dl;
-    act_.layer_counters =
-        static_cast<int*>(alloc(persistent_counter_ints(d_.layers, d_.kv_heads) * sizeof(int), &act_bytes_));
     const size_t ws_bytes = persistent_ws_floats(d_.hidden, d_.intermediate, d_.heads, d_.kv_heads) * sizeof(float);
     act_.layer_ws = static_cast<float*>(alloc(ws_bytes, &act_bytes_));
     OI_CUDA_CHECK(cudaMemset(act_.layer_ws, 0, ws_bytes));

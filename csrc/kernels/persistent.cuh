@@ -29,7 +29,6 @@ struct PersistentArgs {
   KvLayout kv;
   const int32_t *positions, *slots, *context_lens, *block_tables;  // row 0 of the step's metadata
   const float2* cos_sin;
-  int* counters;  // persistent_counter_ints(); zeroed by persistent_layers() before each launch
   float* ws;      // persistent_ws_floats(): attention split partials, the LL words, the step counter
   uint64_t* trace;  // profiling: [blocks][kPersistentEvents] globaltimer ns of layer kPersistentTraceLayer, or null
 };
@@ -44,11 +43,10 @@ const uint64_t* persistent_trace_data();  // the buffer itself (null before the 
 // Whether the kernel serves this geometry on this device (head_dim 128, 4 query heads per KV head,
 // every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim);
-int64_t persistent_counter_ints(int num_layers, int kv_heads);
 // Attention partials, the LL activation words and a step counter; zeroed once at allocation.
 int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads);
 
-// Launches (cooperatively: every block must be resident) after zeroing the counters.
+// Launches cooperatively: every block must be resident.
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
 
 // A/B switch (default 1): batch-1 decode buckets run their layers through persistent_layers() where it

@@ -80,7 +80,6 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     pa.context_lens = m.context_lens;
     pa.block_tables = m.block_tables;
     pa.cos_sin = rope;
-    pa.counters = a.layer_counters;
     pa.ws = a.layer_ws;
     pa.trace = persistent_trace();
     persistent_layers(pa, num_sms, s);

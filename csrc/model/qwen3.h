@@ -34,8 +34,7 @@ struct Activations {
   float* logits = nullptr;
   float *ws_o = nullptr, *ws_lse = nullptr;  // attention split workspace
   int* attn_counters = nullptr;               // per (work item, KV head), zeroed once
-  int* layer_counters = nullptr;              // persistent_layers(): zeroed before each launch
-  float* layer_ws = nullptr;                  // persistent_layers(): attention partials
+  float* layer_ws = nullptr;                  // persistent_layers(): attention partials and LL words
 };
 
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).
