@@ -257,18 +257,6 @@ __device__ void stage_input(const uint2* src, uint32_t flag, const bf16* nw, int
   compute_sync();
 }
 
-// One step of a reduction of 2N of T values per lane across the warp: lanes with bit O of their index set
-// keep the upper N sums, the others the lower N (exchanging the halves they drop with lane ^ O).
-template <int N, int O, int T>
-__device__ __forceinline__ void halve(float (&v)[T], int lane) {
-  const bool up = lane & O;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const float send = up ? v[i] : v[i + N], keep = up ? v[i + N] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
-  }
-}
-
 // One projection: the block's rows [u0, u1), ring stage by ring stage, every compute warp on every stage.
 // Warp w takes row pair j = w / parts of the stage over chunks [s, s + 1) * chunks / parts of K (s = w %
 // parts), with the dot products on the tensor cores as in gemv.cu (the MMA diagonal: lane (g, t) puts its
