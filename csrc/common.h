@@ -13,6 +13,10 @@ namespace oi {
 
 using bf16 = __nv_bfloat16;
 
+// Byte offsets of staged step metadata: every array starts on a 256-byte boundary.
+constexpr size_t kStageAlign = 256;
+inline size_t align_up(size_t x) { return (x + kStageAlign - 1) / kStageAlign * kStageAlign; }
+
 [[noreturn]] inline void fail(const std::string& what, const char* file, int line) {
   std::ostringstream os;
   os << what << " (" << file << ":" << line << ")";

@@ -1,52 +1,27 @@
-// Engine: owns the GPU state of one model -- weights, activations, the paged KV pool, the GEMM plans --
-// and runs one step per call. No Python types here; the binding converts NumPy arrays to HostStep.
+// Engine: owns the GPU state of one model -- weights, activations, the paged KV pool and its host tier,
+// the GEMM plans, the decode graphs -- and runs one step per call. No Python types here; the binding
+// converts openinfer.StepInput to StepInput. Its parts, one file each:
+//   engine.cu   lifecycle, launch / collect of eager steps, the KV block copies
+//   weights.cu  checkpoint tensors into their slots, random weights
+//   kv_pool.cu  activations, the profiling step, KV pool and host tier sizing
+//   plan.cu     a step's validation and attention work (shared with the kernel test ops)
+//   graphs.cu   the decode buckets: capture, the metadata arena, replay
 #pragma once
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "../model/qwen3.h"
+#include "options.h"
+#include "plan.h"
+#include "step.h"
 
 namespace oi {
 
-struct EngineOptions {
-  int max_num_tokens = 8192;   // tokens per step
-  int max_num_seqs = 256;      // sequences (and sampled rows) per step
-  int max_model_len = 40960;
-  int block_size = 16;
-  double gpu_memory_utilization = 0.90;
-  int num_kv_blocks = 0;       // > 0: use exactly this many blocks instead of sizing from free memory
-  std::string cublaslt_path;   // hint for dlopen; empty: the loader's search path
-  bool cuda_graph = true;      // capture decode steps for the batch sizes of graph_batch_sizes()
-  bool pdl = true;             // programmatic dependent launch between kernels (kernels/launch.cuh)
-  bool gemm_autotune = true;   // time cuBLASLt candidates for the decode shapes at start-up (else: heuristic's pick)
-};
-
 // Decode batch sizes that get a CUDA graph: 1, 2, 4, 8, 16, 24, 32, 48, 64, 96, ... up to max_num_seqs (and it).
 std::vector<int> graph_batch_sizes(int max_num_seqs);
-
-// One step's inputs, as host pointers (layout: docs/architecture.md).
-struct HostStep {
-  int T = 0, B = 0, S = 0, bt_stride = 0;
-  const int32_t *ids, *positions, *query_start_loc, *context_lens, *block_tables, *slots, *sample_idx;
-  const float *temperature, *top_p;
-  const int32_t* top_k;
-  const uint64_t* seeds;
-  int num_logprobs = 0;
-  bool return_logits = false;
-  bool force_eager = false;  // decode buckets launched without their graph (for graph == eager tests)
-  // [B] or null. Row b's input id is the previous launch's sampled token prev_rows[b] when >= 0 (its
-  // ids[b] is then ignored): a step can go out before the previous one's tokens reach the host. A fed
-  // row has one token, at index b (the rows that continue decoding come first in a step).
-  const int32_t* prev_rows = nullptr;
-};
-
-struct StepResult {
-  std::vector<int32_t> tokens, top_ids;
-  std::vector<float> logprobs, top_logprobs, logits;
-  float gpu_ms = 0.f;
-};
 
 class Engine {
  public:
@@ -58,16 +33,39 @@ class Engine {
   void load_tensor(const std::string& kind, int layer, const uint16_t* data, int64_t rows, int64_t cols,
                    int64_t row_offset);
   void init_random(uint64_t seed);
-  // After the weights: allocate activations, run one profiling step, size and zero the KV pool.
+  // After the weights: allocate activations, run one profiling step, size and zero the KV pool, pin the
+  // host tier, capture the decode graphs.
   int64_t finalize();
-  StepResult step(const HostStep& in);  // launch + collect; nothing may be pending
-  // Overlapped steps: launch() queues a step and returns once its inputs are staged (at most two steps
-  // pending); collect() waits for the oldest and returns its result.
-  void launch(const HostStep& in);
+
+  // The step contract (docs/architecture.md): launch() validates and queues a step and returns once its
+  // inputs are staged (at most two pending); collect() waits for the oldest and returns its result;
+  // step() is both, with nothing pending. Steps run in launch order on one stream.
+  void launch(const StepInput& in);
   StepResult collect();
+  StepResult step(const StepInput& in);
   int pending() const { return (int)pending_.size(); }
 
+  // KV block copies (StepInput.kv_save / kv_load) run on their own streams. Returns (s, l): the copies of
+  // every launch numbered <= s (saves) and <= l (loads) have landed; launches are numbered from 1 in order.
+  // Never blocks.
+  std::pair<int64_t, int64_t> copy_progress();
+  void wait_copies();  // blocks until every issued copy has landed (the engine has nothing else to do)
+  struct CopyStats {
+    int64_t saved_bytes = 0, restored_bytes = 0;
+    double restore_seconds = 0;  // device time of the landed restore batches
+  };
+  CopyStats copy_stats() const { return copy_stats_; }
+  // Tests: one KV block's bytes (bf16 bits) on the device, or one host slot's.
+  std::vector<uint16_t> read_kv_block(int64_t block) const;
+  std::vector<uint16_t> read_host_block(int64_t slot) const;
+
+  // Tests: kernels of later eager launches (graphs keep those they were captured with).
+  void set_kernel_choice(const KernelChoice& k) { eager_kernels_ = k; }
+  // Profiling: later eager persistent steps stamp layer kPersistentTraceLayer; off returns [SMs, events] ns.
+  std::vector<uint64_t> persistent_trace(bool on);
+
   int64_t num_kv_blocks() const { return num_blocks_; }
+  int64_t num_host_blocks() const { return num_host_blocks_; }
   int64_t kv_block_bytes() const { return kv_.block_stride() * (int64_t)sizeof(bf16); }
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t activation_bytes() const { return act_bytes_; }
@@ -78,28 +76,35 @@ class Engine {
   bool pdl() const { return pdl_; }
   void set_pdl(bool on) { pdl_ = on && pdl_capable_; }
   std::string device_name() const { return device_name_; }
+  bool persistent_capable() const { return w_.dev_layers != nullptr; }
 
  private:
+  struct Pending {
+    bool graph = false;
+    int slot = 0;  // graph arena image, or eager staging slot
+    int B = 0, S = 0, num_logprobs = 0, taps = 0, tap_rows = 0;
+    bool verify = false;
+    std::vector<float> logits;  // when the step asked for logits (pageable: that launch waits for its copy)
+    std::vector<uint16_t> hidden;
+  };
+
+  // weights.cu
+  void allocate_weights();
   void* alloc(size_t bytes, int64_t* counter);
   void upload(void* dst, const void* src, size_t bytes);
   void release_upload_stages();
   bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
-  struct Checked {  // what validation derives from a step's inputs
-    std::vector<AttnWork> work;
-    std::vector<int32_t> sample_pos;
-    int max_ctx = 0, max_rows = 1;
-  };
-  Checked check(const HostStep& in, int64_t num_blocks) const;
-  struct Pending {
-    bool graph = false;
-    int slot = 0;  // graph arena image, or eager staging slot
-    int B = 0, S = 0, num_logprobs = 0;
-    std::vector<float> logits;  // when the step asked for logits (pageable: that launch waits for its copy)
-  };
-  // A step outside the decode buckets (prefill chunks, mixed batches, logprobs), queued eagerly.
-  Pending enqueue(const HostStep& in, const Checked& c, bf16* kv_cache);
+  // kv_pool.cu
+  void allocate_activations();
+  void profile_step();
+  void allocate_kv();
+  // engine.cu
+  StepLimits limits() const;
+  Pending enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache);  // an eager step
   StepResult finish_eager(Pending& p);
-  // CUDA Graph decode: a fixed-layout metadata arena shared by every captured batch size.
+  void issue_copies(const StepInput& in);
+  bf16* tap_buffer(size_t elems);
+  // graphs.cu
   struct Graph {
     int batch = 0;
     cudaGraphExec_t exec = nullptr;  // null when cuda_graph is off
@@ -108,8 +113,8 @@ class Engine {
     size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, prev, bt, tokens, logprobs, bytes;
   };
   void capture_graphs();
-  StepMeta graph_meta(int batch) const;
-  bool launch_graph(const HostStep& in);  // queues a decode bucket step; false when the step is not one
+  StepMeta graph_meta(int batch, const KernelChoice& k) const;
+  bool launch_graph(const StepInput& in);  // queues a decode bucket step; false when the step is not one
   StepResult finish_graph(const Pending& p);
 
   ModelDims d_;
@@ -127,6 +132,7 @@ class Engine {
   int64_t num_blocks_ = 0;
   int64_t weight_bytes_ = 0, act_bytes_ = 0;
   int max_split_rows_ = 4096;
+  KernelChoice eager_kernels_{};
   // Two pinned staging areas (eager steps alternate, so one can be filled while the other's step
   // runs) and their device twins, for all per-step metadata and outputs.
   char* host_meta_[2] = {nullptr, nullptr};
@@ -151,6 +157,27 @@ class Engine {
   char* stage_[2] = {nullptr, nullptr};  // pinned upload stages (weights only; freed by finalize)
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
   int stage_cur_ = 0;
+  // Tap layers' rows (grown on demand; eager steps only).
+  bf16* taps_ = nullptr;
+  size_t taps_elems_ = 0;
+  uint64_t* trace_ = nullptr;  // persistent_trace() buffer
+  bool trace_on_ = false;
+  // The host KV tier: pinned slots of one KV block each, and the copy streams. A batch of copies waits on
+  // an event recorded on the compute stream at its launch, so it sees every K/V written by earlier steps
+  // and lands after every earlier step that may still write a block it targets.
+  char* host_kv_ = nullptr;
+  int64_t num_host_blocks_ = 0;
+  cudaStream_t save_stream_ = nullptr, load_stream_ = nullptr;
+  struct CopyBatch {
+    int64_t launch = 0, bytes = 0;
+    cudaEvent_t start = nullptr, end = nullptr;
+  };
+  std::deque<CopyBatch> saves_, loads_;  // issued, not yet seen landed, in launch order
+  std::vector<cudaEvent_t> free_events_;
+  int64_t launches_ = 0;  // launches so far (the number of the latest)
+  CopyStats copy_stats_;
+  cudaEvent_t event();
+  void retire(std::deque<CopyBatch>& q, bool restore, bool block);
 };
 
 }  // namespace oi

@@ -580,33 +580,15 @@ int cluster_for(int splits, int cap) {
   return cluster;
 }
 
-}  // namespace
+int capped(int cap, const AttnVariant& v) { return v.cluster_cap > 0 ? std::min(cap, v.cluster_cap) : cap; }
 
-int& attention_cluster_cap() {
-  static int cap = 0;
-  return cap;
-}
-
-bool& attention_fuse_rope() {
-  static bool on = true;
-  return on;
-}
-
-int& attention_key_warps() {
-  static int on = 1;
-  return on;
-}
-
-namespace {
-int capped(int cap) { return attention_cluster_cap() > 0 ? std::min(cap, attention_cluster_cap()) : cap; }
-
-// Decode rows on a device that holds key-warp clusters, with the switch on.
-bool key_warps_apply(int max_rows) {
-  return max_rows <= 16 && attention_key_warps() && capped(max_cluster<kAttnKeyWarps, true>()) > 1;
+// Decode rows on a device that holds key-warp clusters, unless the variant asks for one-warp blocks.
+bool key_warps_apply(int max_rows, const AttnVariant& v) {
+  return max_rows <= 16 && v.key_warps && capped(max_cluster<kAttnKeyWarps, true>(), v) > 1;
 }
 }  // namespace
 
-AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits) {
+AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits, AttnVariant v) {
   AttnLaunch l{};
   const bool decode = max_rows <= 16;
   // Early (PDL) only for decode grids of a few items: a larger grid of small blocks placed while the
@@ -615,19 +597,19 @@ AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits) {
   l.early = decode && num_work <= kAttnMaxEarlyItems;
   // Key warps: a quarter of the splits, each block's warps on a quarter of its keys (where the device
   // holds clusters; every split count of attn_num_splits from 4 up is a multiple of 4).
-  if (key_warps_apply(max_rows) && num_splits % kAttnKeyWarps == 0) {
+  if (key_warps_apply(max_rows, v) && num_splits % kAttnKeyWarps == 0) {
     l.key_warps = true;
     l.splits = num_splits / kAttnKeyWarps;
-    l.cluster = cluster_for(l.splits, capped(max_cluster<kAttnKeyWarps, true>()));
+    l.cluster = cluster_for(l.splits, capped(max_cluster<kAttnKeyWarps, true>(), v));
     return l;
   }
   l.splits = num_splits;
-  l.cluster = decode && num_splits > 1 ? cluster_for(num_splits, capped(max_cluster<1, false>())) : 1;
+  l.cluster = decode && num_splits > 1 ? cluster_for(num_splits, capped(max_cluster<1, false>(), v)) : 1;
   return l;
 }
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
-                    int max_rows) {
+                    int max_rows, AttnVariant v) {
   const int blocks = std::max(1, num_work * num_kv_heads);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
   // took 9.2 us for batch 1 with 128 blocks and 9.6 with 256; 18.8 us for batch 8 with 512 blocks, 22.7
@@ -637,7 +619,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   int splits = target / blocks;
   // A split covers whole aligned chunks; with key warps a block's chunk is cut four ways, so each
   // warp's range may be as short as one 16-key tile.
-  const int align = key_warps_apply(max_rows) ? kAttnChunkAlign / kAttnKeyWarps : kAttnChunkAlign;
+  const int align = key_warps_apply(max_rows, v) ? kAttnChunkAlign / kAttnKeyWarps : kAttnChunkAlign;
   splits = std::min(splits, std::max(1, max_context / align));
   splits = std::min(splits, std::max(1, max_split_rows / num_tokens));
   splits = std::max(1, std::min(splits, kAttnMaxSplits));
@@ -668,7 +650,7 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   // tiles: 4B at 64 x 1k context 6.49 ms per step against 7.16 ms with 32-key tiles, five blocks per SM).
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count
   // (batch 1, 1k context: 19.0 -> 9.2 us per layer against the workspace merge).
-  const AttnLaunch l = attn_launch_shape(a.num_work, a.max_rows, a.num_splits);
+  const AttnLaunch l = attn_launch_shape(a.num_work, a.max_rows, a.num_splits, a.variant);
   if (l.key_warps) {
     AttnArgs k = a;
     k.num_splits = l.splits;

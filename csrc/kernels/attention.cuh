@@ -14,6 +14,14 @@ struct AttnWork {
   int32_t seq, tok_start, num_tok, pad;
 };
 
+// Kernel choice for decode rows. The defaults are what the engine runs; tests force the other kernels
+// (the one-warp blocks and the workspace merge, which devices without clusters, e.g. under MPS or small
+// MIG slices, take) and compare them.
+struct AttnVariant {
+  bool key_warps = true;  // decode blocks of kAttnKeyWarps warps splitting the keys, where clusters exist
+  int cluster_cap = 0;    // > 0: decode clusters of at most this many blocks (0: the device's limit)
+};
+
 struct AttnArgs {
   const bf16* q;             // q of token t, head h at q + t * q_stride + h * 128
   int q_stride;
@@ -42,6 +50,7 @@ struct AttnArgs {
   const float2* cos_sin;            // rope_table_init's table
   const int32_t* slots;             // [T]; < 0: no cache write
   float eps;
+  AttnVariant variant;
 };
 
 constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16
@@ -55,23 +64,12 @@ inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBloc
 // How many key splits fill the GPU for this launch (1 when the grid is already large).
 // `max_rows` as in AttnArgs (decode rows may take key-warp splits of 16 keys).
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
-                    int max_rows);
+                    int max_rows, AttnVariant v = {});
 
 void paged_attention(const AttnArgs& a, cudaStream_t s);
 
-// Tests: a lower decode cluster limit than the device's (0: the device's), as under MPS or small MIG slices.
-int& attention_cluster_cap();
-
 constexpr int kAttnMaxEarlyItems = 8;  // decode grids of up to this many items launch early (PDL)
 constexpr int kAttnKeyWarps = 4;       // warps of a decode block that split its keys
-
-// A/B switch (default on), read when a decode bucket is launched or captured: q/k norm + RoPE + K/V
-// write inside decode attention, or its own kernel.
-bool& attention_fuse_rope();
-
-// A/B switch (default 1): decode blocks of kAttnKeyWarps warps splitting the keys (attention.cu); 0
-// keeps one warp per block.
-int& attention_key_warps();
 
 // How paged_attention launches: key-warp blocks or not, the split count launched (a quarter of
 // num_splits with key warps), the cluster size, early (PDL) or not. Tests and benchmarks read it.
@@ -79,6 +77,6 @@ struct AttnLaunch {
   bool key_warps, early;
   int splits, cluster;
 };
-AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits);
+AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits, AttnVariant v = {});
 
 }  // namespace oi

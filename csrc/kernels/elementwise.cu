@@ -11,12 +11,12 @@ struct alignas(16) Vec8 {
 };
 
 __global__ void embedding_kernel(const bf16* __restrict__ table, const int32_t* __restrict__ ids,
-                                 bf16* __restrict__ out, int H) {
+                                 bf16* __restrict__ out, int H, int64_t out_stride) {
   pdl_wait();
   pdl_trigger();
   const int t = blockIdx.x;
   const Vec8* src = reinterpret_cast<const Vec8*>(table + (int64_t)ids[t] * H);
-  Vec8* dst = reinterpret_cast<Vec8*>(out + (int64_t)t * H);
+  Vec8* dst = reinterpret_cast<Vec8*>(out + (int64_t)t * out_stride);
   for (int i = threadIdx.x; i < H / kVec; i += blockDim.x) dst[i] = src[i];
 }
 
@@ -105,14 +105,16 @@ __global__ void silu_mul_kernel(const bf16* __restrict__ gu, bf16* __restrict__ 
 void embedding_lookup(const bf16* table, const int32_t* ids, bf16* out, int T, int H, cudaStream_t s) {
   OI_CHECK(H % kVec == 0, "embedding_lookup: hidden size " << H << " is not a multiple of 8");
   if (T == 0) return;
-  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(T), dim3(128), 0, s, nullptr, table, ids, out, H));
+  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(T), dim3(128), 0, s, nullptr, table, ids, out, H, (int64_t)H));
 }
 
-void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s) {
+void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s, int64_t out_stride) {
   OI_CHECK(H % kVec == 0, "gather_rows: hidden size " << H << " is not a multiple of 8");
+  OI_CHECK(out_stride == 0 || (out_stride >= H && out_stride % kVec == 0), "gather_rows: bad output stride " << out_stride);
   if (R == 0) return;
   // a gather is the same access pattern
-  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(R), dim3(128), 0, s, nullptr, x, idx, out, H));
+  OI_CUDA_CHECK(launch_kernel(true, embedding_kernel, dim3(R), dim3(128), 0, s, nullptr, x, idx, out, H,
+                              out_stride ? out_stride : (int64_t)H));
 }
 
 void rmsnorm(const bf16* x, const bf16* w, bf16* out, int T, int H, float eps, cudaStream_t s) {

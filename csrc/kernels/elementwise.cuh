@@ -14,8 +14,9 @@ void rmsnorm(const bf16* x, const bf16* w, bf16* out, int T, int H, float eps, c
 // out[t, i] = bf16(silu(gu[t, i]) * gu[t, I + i])   (gate rows first, then up rows, as fused at load)
 void silu_mul(const bf16* gu, bf16* out, int T, int I, cudaStream_t s);
 
-// out[r, :] = x[idx[r], :]   (the rows that sample, before the final norm and lm_head)
-void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s);
+// out[r * out_stride + :H] = x[idx[r], :]   (the rows that sample, before the final norm and lm_head; the
+// tap layers' rows, several layers side by side: out_stride 0 means H)
+void gather_rows(const bf16* x, const int32_t* idx, bf16* out, int R, int H, cudaStream_t s, int64_t out_stride = 0);
 
 // ids[b] = prev_tokens[prev_rows[b]] where prev_rows[b] >= 0: a decode step launched before the previous
 // step's tokens reached the host takes them on the device.

@@ -442,23 +442,13 @@ void dispatch(const GemvArgs& a, GemvIn in, GemvOut out, int sw, size_t smem, in
 
 }  // namespace
 
-int& gemv_fp32_input() {
-  static int on = 1;
-  return on;
-}
-
-int& gemv_tensor_cores() {
-  static int on = 1;
-  return on;
-}
-
-bool gemv_takes_tensor_cores(int M, int K, GemvIn in, GemvOut out) {
+bool gemv_takes_tensor_cores(int M, int K, GemvIn in, GemvOut out, GemvKernel kernel) {
   if (M < 1 || M > kGemvMaxRows || K % kChunk != 0) return false;
   if ((size_t)(M + (in == GemvIn::kRmsNorm ? 1 : 0)) * K * sizeof(bf16) > kMaxSmem) return false;  // bf16 staging
   // Where they measured faster (per-projection chains, docs/benchmarks.md): two rows except lm_head's
   // fp32 output, and one row from K = 8192 (the down projections); CUDA cores elsewhere.
-  const int tc = gemv_tensor_cores();
-  return tc == 2 || (tc == 1 && (M == 2 ? out != GemvOut::kF32 : K >= 8192));
+  if (kernel != GemvKernel::kAuto) return kernel == GemvKernel::kTensorCores;
+  return M == 2 ? out != GemvOut::kF32 : K >= 8192;
 }
 
 bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s) {
@@ -469,10 +459,10 @@ bool gemv(const GemvArgs& a, GemvIn in, GemvOut out, int num_sms, cudaStream_t s
   const size_t smem_bf = (size_t)(a.M + (in == GemvIn::kRmsNorm ? 1 : 0)) * a.K * sizeof(bf16);
   const size_t smem_fx = (size_t)a.M * a.K * sizeof(float);
   auto per_sm = [&](size_t smem) { return std::min(a.M == 1 ? 3 : 2, (int)((227 * 1024) / (smem + 2048))); };
-  const bool fx = gemv_fp32_input() && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
+  const bool fx = a.kernel != GemvKernel::kCudaCoresBf16 && smem_fx <= kMaxSmem && per_sm(smem_fx) >= per_sm(smem_bf);
   const size_t smem = fx ? smem_fx : smem_bf;
   if (smem > kMaxSmem) return false;
-  if (gemv_takes_tensor_cores(a.M, a.K, in, out)) {  // two rows per warp: half the chunks per round
+  if (gemv_takes_tensor_cores(a.M, a.K, in, out, a.kernel)) {  // two rows per warp: half the chunks per round
     int sw = 1;
     while (sw < kWarps && (a.K / kChunk + sw - 1) / sw > kL / 2) sw *= 2;
     if (a.M == 1) dispatch_tc<1>(a, in, out, sw, smem_bf, num_sms, s);

@@ -645,7 +645,7 @@ int smem_optin() {
 // is larger; the slot is the largest stage (or a chunk of attention's K and V). Smaller stages measured slower
 // (20 KB: 4B batch 1 3.3 ms against 2.7 at the time; docs/benchmarks.md).
 constexpr int kStageTarget = 40 * 1024;
-Plan make_plan(int H, int I, int heads, int inflight) {
+Plan make_plan(int H, int I, int heads) {
   const int stage_target = kStageTarget;
   Plan p{};
   const int K[kProjs] = {H, heads * kD, H, I};
@@ -666,7 +666,7 @@ Plan make_plan(int H, int I, int heads, int inflight) {
   // Stages in flight: enough for ~64 KB per SM (4B: one 40 KB stage, 8B: two of 32 KB measured fastest; more
   // queue in the memory system ahead of the latency-bound reads, fewer leave it idle). Below the slot count: the
   // throttle waits on the latest stage of a slot.
-  if (inflight < 0) inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
+  const int inflight = std::max(1, 64 * 1024 / (p.pairs[kQkv] * 2 * H * 2));
   p.inflight = inflight < p.slots ? inflight : 0;
   p.ck = p.slot_bytes / (2 * kD * 2);
   return p;
@@ -685,41 +685,11 @@ bool plan_red_fits(const Plan& p, int H, int I, int heads, int qkv_rows, int num
 
 }  // namespace
 
-namespace {
-uint64_t* g_trace = nullptr;
-bool g_trace_on = false;
-int g_trace_sms() {
-  int dev = 0, sms = 0;
-  OI_CUDA_CHECK(cudaGetDevice(&dev));
-  OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-}  // namespace
-
-void persistent_trace_enable(bool on) {
-  if (on && !g_trace) OI_CUDA_CHECK(cudaMalloc(&g_trace, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
-  if (on) OI_CUDA_CHECK(cudaMemset(g_trace, 0, (size_t)g_trace_sms() * kPersistentEvents * sizeof(uint64_t)));
-  g_trace_on = on;
-}
-
-uint64_t* persistent_trace() { return g_trace_on ? g_trace : nullptr; }
-const uint64_t* persistent_trace_data() { return g_trace; }
-
-int& persistent_inflight() {
-  static int n = -1;
-  return n;
-}
-
-int& persistent_decode() {
-  static int mode = 1;
-  return mode;
-}
-
 bool persistent_fits(int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
   if (hidden <= 0 || intermediate <= 0 || kv_heads <= 0) return false;
   if (head_dim != kD || heads != kGroup * kv_heads || hidden % 256 || intermediate % 256) return false;
   if (hidden > kStageLoads * kCThreads * 4) return false;  // RMSNorm's input staged in one round
-  return make_plan(hidden, intermediate, heads, 0).slots >= 2;
+  return make_plan(hidden, intermediate, heads).slots >= 2;
 }
 
 int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_heads) {
@@ -728,7 +698,7 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 }
 
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s) {
-  const Plan p = make_plan(a.hidden, a.intermediate, a.heads, persistent_inflight());
+  const Plan p = make_plan(a.hidden, a.intermediate, a.heads);
   OI_CHECK(p.slots >= 2 && p.slot_bytes >= 2 * kMinSplitKeys * kD * 2 && num_sms >= a.kv_heads && a.hidden <= kMaxRowsPerBlock * num_sms &&
                plan_red_fits(p, a.hidden, a.intermediate, a.heads, (a.heads + 2 * a.kv_heads) * kD, num_sms),
            "persistent_layers: geometry does not fit");

@@ -35,10 +35,6 @@ struct PersistentArgs {
 
 constexpr int kPersistentEvents = 32;
 constexpr int kPersistentTraceLayer = 10;
-// Profiling: a trace buffer read at launch (allocated on first use).
-void persistent_trace_enable(bool on);
-uint64_t* persistent_trace();             // the device buffer [SMs][kPersistentEvents] while enabled, else null
-const uint64_t* persistent_trace_data();  // the buffer itself (null before the first enable)
 
 // Whether the kernel serves this geometry on this device (head_dim 128, 4 query heads per KV head,
 // every K a multiple of 256, a weight row or gate/up pair fits a ring slot).
@@ -48,11 +44,5 @@ int64_t persistent_ws_floats(int hidden, int intermediate, int heads, int kv_hea
 
 // Launches cooperatively: every block must be resident.
 void persistent_layers(const PersistentArgs& a, int num_sms, cudaStream_t s);
-
-// A/B switch (default 1): batch-1 decode buckets run their layers through persistent_layers() where it
-// fits; 0 keeps the kernel-per-operation path. Set before an engine captures its graphs.
-int& persistent_decode();
-// Most stages a block has requested and not yet received: -1 (default) ~64 KB, 0 as many as the ring holds.
-int& persistent_inflight();
 
 }  // namespace oi

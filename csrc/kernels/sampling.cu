@@ -407,4 +407,25 @@ void sample(const SampleArgs& a, cudaStream_t s) {
   OI_CUDA_CHECK(launch_kernel(true, sample_kernel, dim3(a.num_rows), dim3(kThreads), 0, s, nullptr, a));
 }
 
+namespace {
+__global__ void count_accepted_kernel(const int32_t* ids, const int32_t* sample_idx, const int32_t* tokens,
+                                      const int32_t* seq_rows, int B, int32_t* accepted) {
+  pdl_wait();
+  pdl_trigger();
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= B) return;
+  const int r0 = seq_rows[b], r1 = seq_rows[b + 1];
+  int n = r1 > r0 ? 1 : 0;  // the first sampled row's token is always kept (the bonus when nothing matches)
+  while (r0 + n < r1 && tokens[r0 + n - 1] == ids[sample_idx[r0 + n - 1] + 1]) ++n;
+  accepted[b] = n;
+}
+}  // namespace
+
+void count_accepted(const int32_t* ids, const int32_t* sample_idx, const int32_t* tokens, const int32_t* seq_rows,
+                    int B, int32_t* accepted, cudaStream_t s) {
+  if (B <= 0) return;
+  OI_CUDA_CHECK(launch_kernel(true, count_accepted_kernel, dim3((B + 127) / 128), dim3(128), 0, s, nullptr, ids,
+                              sample_idx, tokens, seq_rows, B, accepted));
+}
+
 }  // namespace oi

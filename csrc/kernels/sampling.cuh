@@ -25,4 +25,10 @@ constexpr int kMaxLogprobs = 20;
 
 void sample(const SampleArgs& a, cudaStream_t s);
 
+// Verify steps: sequence b's sampled rows are seq_rows[b] .. seq_rows[b+1]-1, at consecutive tokens; the
+// token after each row's is the draft it checks. accepted[b] = 1 + the drafts matched in order before the
+// first mismatch, i.e. how many of the rows' tokens are kept (0 for a sequence without sampled rows).
+void count_accepted(const int32_t* ids, const int32_t* sample_idx, const int32_t* tokens, const int32_t* seq_rows,
+                    int B, int32_t* accepted, cudaStream_t s);
+
 }  // namespace oi

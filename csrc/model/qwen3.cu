@@ -8,8 +8,8 @@ namespace {
 // One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
 // kernels (through `scratch`) around cuBLASLt. kSiluMul writes SiLU(gate)·up ([M, N/2]) to y.
 void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
-            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, cudaStream_t s) {
-  GemvArgs g{x, norm_w, eps, W, y, M, N, K};
+            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s) {
+  GemvArgs g{x, norm_w, eps, W, y, M, N, K, kernel};
   if (gemv(g, in, out, num_sms, s)) return;
   const bf16* src = x;
   if (in == GemvIn::kRmsNorm) {
@@ -25,11 +25,6 @@ void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps
 }
 
 }  // namespace
-
-int& model_skip_kernels() {
-  static int mask = 0;
-  return mask;
-}
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s) {
@@ -60,9 +55,10 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   at.cos_sin = rope;
   at.slots = m.slots;
   at.eps = d.eps;
-  // Batch-1 decode: every layer in one persistent kernel where the geometry fits (kernels/persistent.cuh).
-  const bool persistent = T == 1 && m.fuse_rope && persistent_decode() && !model_skip_kernels() && w.dev_layers &&
-                          persistent_fits(H, I, d.heads, d.kv_heads, d.head_dim);
+  at.variant = m.attention;
+  // Batch-1 decode: every layer in one persistent kernel (kernels/persistent.cuh).
+  const bool persistent = m.persistent;
+  OI_CHECK(!persistent || (T == 1 && m.fuse_rope && w.dev_layers && !m.tap_slot), "qwen3_forward: persistent step misplanned");
   if (persistent) {
     PersistentArgs pa{};
     pa.layers = w.dev_layers;
@@ -81,35 +77,36 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     pa.block_tables = m.block_tables;
     pa.cos_sin = rope;
     pa.ws = a.layer_ws;
-    pa.trace = persistent_trace();
+    pa.trace = m.trace;
     persistent_layers(pa, num_sms, s);
   }
   for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
     const LayerWeights& lw = w.layers[l];
     linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
-           num_sms, s);
-    const int skip = model_skip_kernels();
-    if (!(skip & 1) && !m.fuse_rope)
+           num_sms, m.gemv, s);
+    if (!m.fuse_rope)
       qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
                             d.eps, s);
     at.layer = l;
-    at.fuse_rope = m.fuse_rope && !(skip & 1);  // profiling bit 0: no q/k norm + RoPE + KV write at all
+    at.fuse_rope = m.fuse_rope;
     at.q_norm_w = lw.q_norm;
     at.k_norm_w = lw.k_norm;
-    if (!(skip & 2)) paged_attention(at, s);
+    paged_attention(at, s);
     // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
     linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr,
-           nullptr, gemm, num_sms, s);
+           nullptr, gemm, num_sms, m.gemv, s);
     linear(In::kRmsNorm, Out::kSiluMul, a.x, lw.post_norm, d.eps, lw.gate_up, a.act, T, 2 * I, H, a.h, a.gu, gemm,
-           num_sms, s);
+           num_sms, m.gemv, s);
     linear(In::kPlain, Out::kAccumulate, a.act, nullptr, d.eps, lw.down, a.x, T, H, I, nullptr, nullptr, gemm, num_sms,
-           s);
+           m.gemv, s);
+    if (m.tap_slot && m.tap_slot[l] >= 0)  // x is now the residual stream after layer l (HF hidden_states[l + 1])
+      gather_rows(a.x, m.tap_rows, m.out_taps + (int64_t)m.tap_slot[l] * H, m.num_tap_rows, H, s, (int64_t)m.num_taps * H);
   }
   // Only the rows that sample go through the final norm and the lm_head.
   gather_rows(a.x, m.sample_idx, a.xs, m.S, H, s);
   if (m.S > 0)
     linear(In::kRmsNorm, Out::kF32, a.xs, w.final_norm, d.eps, w.lm_head, a.logits, m.S, d.vocab, H, a.hs, nullptr,
-           gemm, num_sms, s);
+           gemm, num_sms, m.gemv, s);
   SampleArgs sa{};
   sa.logits = a.logits;
   sa.num_rows = m.S;
@@ -125,6 +122,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   sa.top_ids = m.out_top_ids;
   sa.top_logprobs = m.out_top_logprobs;
   sample(sa, s);
+  if (m.out_accepted) count_accepted(m.ids, m.sample_idx, m.out_tokens, m.seq_rows, m.B, m.out_accepted, s);
 }
 
 }  // namespace oi

@@ -5,6 +5,7 @@
 
 #include "../gemm/gemm.h"
 #include "../kernels/attention.cuh"
+#include "../kernels/gemv.cuh"
 #include "../kernels/persistent.cuh"
 #include "../kernels/rope_kv.cuh"
 #include "../kernels/sampling.cuh"
@@ -37,6 +38,15 @@ struct Activations {
   float* layer_ws = nullptr;                  // persistent_layers(): attention partials and LL words
 };
 
+// Which kernels a step runs where there is a choice. Engines run the defaults (the measured winners);
+// tests force the alternatives on eager launches and compare them.
+struct KernelChoice {
+  bool persistent = true;  // batch-1 decode buckets: every layer in persistent_layers() where it fits
+  bool fuse_rope = true;   // decode buckets: q/k norm + RoPE + K/V write inside decode attention
+  AttnVariant attention;
+  GemvKernel gemv = GemvKernel::kAuto;
+};
+
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).
 struct StepMeta {
   int T, B, S, bt_stride, num_work, max_rows, num_splits;
@@ -46,15 +56,23 @@ struct StepMeta {
   const uint64_t* seeds;
   const AttnWork* work;
   int num_logprobs;
-  bool fuse_rope;  // decode buckets: q/k norm + RoPE + K/V write inside the attention kernel
+  bool fuse_rope;   // decode buckets: q/k norm + RoPE + K/V write inside the attention kernel
+  bool persistent;  // batch-1 decode bucket: every layer in persistent_layers() (the caller checked the fit)
+  AttnVariant attention;
+  GemvKernel gemv;
   int32_t *out_tokens, *out_top_ids;
   float *out_logprobs, *out_top_logprobs;
+  // Verify steps: [B + 1] first sampled row of each sequence (device) and accepted counts [B]; else null.
+  const int32_t* seq_rows;
+  int32_t* out_accepted;
+  // Tap layers: tap_slot[l] (host, [layers]) >= 0 copies the residual stream after layer l of the rows
+  // tap_rows [num_tap_rows] to out_taps[r, tap_slot[l], :] ([num_tap_rows, num_taps, hidden]); else null.
+  const int* tap_slot;
+  int num_taps, num_tap_rows;
+  const int32_t* tap_rows;
+  bf16* out_taps;
+  uint64_t* trace;  // persistent_layers() profiling buffer, or null
 };
-
-// Profiling only (outputs are wrong while set): bit 0 skips the q/k norm + RoPE + KV write (its kernel,
-// or its part of decode attention), bit 1 the attention (in decode buckets the RoPE work inside it
-// too), so a benchmark can read their share of a step.
-int& model_skip_kernels();
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s);

@@ -1,20 +1,21 @@
-"""`openinfer-serve`: the OpenAI-compatible server on one model directory."""
+"""`openinfer-serve`: the OpenAI-compatible server on one model directory. Its flags are generated from
+the fields of EngineConfig and ServerConfig (openinfer.config), help text and defaults included."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 import time
+import types
+import typing
+
+from .config import ConfigError, EngineConfig, ServerConfig
 
 log = logging.getLogger("openinfer")
-
-NOT_BUILT = {  # flag -> what it would do; refused rather than silently ignored
-    "kv_offload": "--kv-offload (host-memory KV tier)",
-    "kv_offload_host_gib": "--kv-offload-host-gib (host-memory KV tier size)",
-    "dflash_draft_model_path": "--dflash-draft-model-path (DFlash speculative decoding)",
-}
+PROG = "openinfer-serve"
 
 
 def _bool(v: str) -> bool:
@@ -25,90 +26,88 @@ def _bool(v: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
 
 
+def _base_type(annotation) -> type:
+    """int for `int | None`, and so on (annotations are strings under `from __future__ import annotations`)."""
+    t = eval(annotation, vars(typing)) if isinstance(annotation, str) else annotation  # noqa: S307 (our own code)
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def flag_of(name: str) -> str:
+    """The flag that sets an option (the field name with dashes, unless the field names its flag)."""
+    for cls in (EngineConfig, ServerConfig):
+        f = next((f for f in dataclasses.fields(cls) if f.name == name), None)
+        if f is not None:
+            return f.metadata.get("flag", "--" + name.replace("_", "-"))
+    return name
+
+
+def _add_options(p: argparse.ArgumentParser, cls) -> None:
+    for f in dataclasses.fields(cls):
+        meta = f.metadata
+        if not f.init or meta.get("hidden") or "help" not in meta:
+            continue
+        t = _base_type(f.type)
+        default = f.default
+        shown = meta["help"] + ("" if default is None else f" (default: {str(default).lower() if t is bool else default})")
+        kw = dict(dest=f.name, default=argparse.SUPPRESS, help=shown)
+        if t is bool:
+            kw.update(type=_bool, nargs="?", const=True, metavar="{true,false}")
+        else:
+            kw.update(type=t, choices=meta.get("choices"))
+            if meta.get("choices"):
+                kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+        if f.name == "model_path":
+            kw["required"] = True
+        p.add_argument(flag_of(f.name), **kw)
+        for alias in meta.get("aliases", ()):  # --no-prefix-cache: the one negative spelling kept
+            p.add_argument(alias, dest=f.name, action="store_const", const=not default, default=argparse.SUPPRESS,
+                           help=f"the same as {flag_of(f.name)} {str(not default).lower()}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="openinfer-serve",
+        prog=PROG,
         description="Serve a Qwen3 model directory over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, "
-                    "/tokenize, /detokenize).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    a = p.add_argument
-    a("--model-path", default="models/Qwen3-4B",
-      help="Hugging Face model directory (config.json, safetensors, tokenizer files)")
-    a("--host", default="127.0.0.1", help="address to listen on (0.0.0.0 for every interface)")
-    a("--port", type=int, default=8000, help="TCP port to listen on")
-    a("--served-model-name", default=None,
-      help="model name clients must send in 'model' (default: the model directory's name)")
-    a("--device", choices=("cuda", "cpu"), default="cuda",
-      help="cuda: the CUDA engine; cpu: the NumPy reference backend (small models only)")
-    a("--load-format", choices=("safetensors", "random"), default="safetensors",
-      help="safetensors: load the checkpoint; random: seeded random weights from config.json alone "
-           "(benchmarks, trying the server without a download)")
-    a("--gpu-memory-utilization", type=float, default=0.90,
-      help="fraction of GPU memory the engine may use (weights + activations + KV cache)")
-    a("--max-model-len", type=int, default=None,
-      help="longest prompt + completion in tokens (default: the model's, capped at 40960)")
-    a("--max-num-seqs", type=int, default=256, help="most requests decoded in one step")
-    a("--max-num-batched-tokens", type=int, default=8192,
-      help="token budget of one step (decode rows plus prefill chunks)")
-    a("--max-waiting-requests", type=int, default=1024,
-      help="bound of the waiting queue; beyond it requests get 503 with Retry-After")
-    a("--cuda-graph", type=_bool, default=True, metavar="{true,false}",
-      help="replay decode steps from captured CUDA graphs")
-    a("--pdl", type=_bool, default=True, metavar="{true,false}",
-      help="programmatic dependent launch: a kernel starts while the previous one ends (sm_90+)")
-    a("--gemm-autotune", type=_bool, default=True, metavar="{true,false}",
-      help="time cuBLASLt algorithms for the decode shapes at start-up (false: the same algorithms, and so the same "
-           "output bits, on every start)")
-    a("--overlap-steps", type=_bool, default=True, metavar="{true,false}",
-      help="launch each step before the previous one's tokens reach the host, so scheduling and "
-           "streaming run while the GPU works")
-    a("--no-prefix-cache", action="store_true",
-      help="turn off prefix caching (reuse of KV blocks across requests sharing a prompt prefix)")
-    a("--kv-offload", action="store_true",
-      help="keep a host-memory copy of KV blocks for prefix hits (NOT BUILT YET: refused)")
-    a("--kv-offload-host-gib", type=float, default=None,
-      help="size of the host KV tier in GiB (NOT BUILT YET: refused)")
-    a("--dflash-draft-model-path", default=None,
-      help="DFlash draft model directory for speculative decoding (NOT BUILT YET: refused)")
-    a("--seed", type=int, default=0, help="engine seed (random weights, unseeded requests)")
-    a("--api-key", default=None,
-      help="require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize")
-    a("--max-body-mib", type=float, default=8, help="largest request body accepted (413 beyond)")
-    a("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"),
-      help="log level of the server and the engine")
+                    "/tokenize, /detokenize).")
+    _add_options(p, EngineConfig)
+    _add_options(p, ServerConfig)
     return p
 
 
-def engine_config(args: argparse.Namespace):
+def _split(args: argparse.Namespace) -> tuple[dict, dict]:
+    given = vars(args)
+    names = {f.name for f in dataclasses.fields(EngineConfig) if f.init}
+    return ({k: v for k, v in given.items() if k in names}, {k: v for k, v in given.items() if k not in names})
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     """The EngineConfig the parsed flags describe (validated by EngineConfig itself)."""
-    from .config import EngineConfig
-    return EngineConfig(model_path=args.model_path, device=args.device, load_format=args.load_format,
-                        seed=args.seed, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens,
-                        max_waiting=args.max_waiting_requests,
-                        enable_prefix_caching=not args.no_prefix_cache, cuda_graph=args.cuda_graph,
-                        overlap_steps=args.overlap_steps, pdl=args.pdl,
-                        gemm_autotune=args.gemm_autotune)
+    return EngineConfig(**_split(args)[0])
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(**_split(args)[1])
+
+
+def _fail(msg: str, code: int = 2) -> int:
+    print(f"{PROG}: {msg}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name, what in NOT_BUILT.items():
-        if getattr(args, name) not in (None, False):
-            print(f"openinfer-serve: {what} is not built yet", file=sys.stderr)
-            return 2
-
-    from .config import check_model_dir
+    args = build_parser().parse_args(argv)
+    srv = server_config(args)
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        check_model_dir(args.model_path)
-    except FileNotFoundError as e:
-        print(f"openinfer-serve: {e}", file=sys.stderr)
-        return 2
+        cfg = engine_config(args)
+    except ConfigError as e:
+        return _fail(e.render(flag_of))
+    except (ValueError, FileNotFoundError) as e:
+        return _fail(str(e))
 
     import uvicorn
 
@@ -116,30 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     from .server import build_app
 
     try:
-        cfg = engine_config(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"openinfer-serve: {e}", file=sys.stderr)
-        return 2
-    try:
         engine = LLMEngine(cfg)
-    except (RuntimeError, ValueError, FileNotFoundError) as e:  # no GPU, no CUDA engine, bad weights
-        print(f"openinfer-serve: cannot start the engine: {e}", file=sys.stderr)
-        return 1
-    name = args.served_model_name or os.path.basename(os.path.normpath(args.model_path))
-    log.info("engine ready in %.1f s (device=%s, max_model_len=%s)", time.perf_counter() - t0,
-             args.device, cfg.max_model_len)
-    app = build_app(engine, served_model_name=name, api_key=args.api_key,
-                    max_body_bytes=int(args.max_body_mib * (1 << 20)))
+    except (RuntimeError, ValueError, FileNotFoundError, MemoryError) as e:  # no GPU, no CUDA engine, bad weights
+        return _fail(f"cannot start the engine: {e}", 1)
+    name = srv.served_model_name or os.path.basename(os.path.normpath(cfg.model_path))
+    log.info("engine ready in %.1f s (device=%s, max_model_len=%s)", time.perf_counter() - t0, cfg.device,
+             cfg.max_model_len)
+    app = build_app(engine, served_model_name=name, api_key=srv.api_key,
+                    max_body_bytes=int(srv.max_body_mib * (1 << 20)))
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                log.info("serving '%s' on http://%s:%d: ready %.1f s after start", name,
-                         args.host, args.port, time.perf_counter() - t0)
+                log.info("serving '%s' on http://%s:%d: ready %.1f s after start", name, srv.host, srv.port,
+                         time.perf_counter() - t0)
 
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port,
-                                    log_level=args.log_level, timeout_graceful_shutdown=5))
+    server = _Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
+                                    timeout_graceful_shutdown=5))
     server.run()
     return 0 if server.started else 1
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import re
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 # Every environment variable the package reads, with its meaning. Nothing else calls os.environ.
@@ -119,65 +120,180 @@ def _eos_ids(gen: dict | None, cfg: dict) -> tuple[int, ...]:
 
 DEVICES = ("cuda", "cpu")
 LOAD_FORMATS = ("safetensors", "random")
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A bad option. The message names options as {field} placeholders, so that the Python API can say
+    `max_num_seqs` and `openinfer-serve` can say `--max-num-seqs` (render())."""
+
+    def __init__(self, template: str):
+        self.template = template
+        super().__init__(self.render(lambda name: name))
+
+    def render(self, name_of) -> str:
+        names = set(_option_names())
+        return re.sub(r"\{(\w+)\}", lambda m: name_of(m.group(1)) if m.group(1) in names else m.group(0), self.template)
+
+
+def option(default, help: str, **cli):
+    """A configuration field: its one default, its help text, and how openinfer-serve spells it (cli:
+    flag=..., aliases=(...), choices=(...), hidden=True for options that are not flags)."""
+    return field(default=default, metadata=dict(help=help, **cli))
 
 
 @dataclass
 class EngineConfig:
-    model_path: str
-    device: str = "cuda"
-    load_format: str = "safetensors"
-    seed: int = 0
-    gpu_memory_utilization: float = 0.90
-    max_model_len: int | None = None  # None: min(max_position_embeddings, 40960)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kv_block_size: int = 16
-    enable_prefix_caching: bool = True
-    cuda_graph: bool = True
-    pdl: bool = True  # programmatic dependent launch: a kernel streams its weights while the previous one ends
-    # Time cuBLASLt's candidate algorithms for the decode shapes at start-up and keep the fastest. Timing
-    # can pick differently on each start, and so change the last bits of the outputs; False keeps the
+    """Every engine option, validated once at construction (the only place their defaults live).
+    openinfer-serve's flags are generated from these fields (openinfer.cli)."""
+    model_path: str = option(None, "Hugging Face model directory (config.json, safetensors, tokenizer files)")
+    device: str = option("cuda", "cuda: the CUDA engine; cpu: the NumPy reference backend (small models only)",
+                         choices=DEVICES)
+    load_format: str = option("safetensors", "safetensors: load the checkpoint; random: seeded random weights from "
+                              "config.json alone (benchmarks, trying the server without a download)",
+                              choices=LOAD_FORMATS)
+    seed: int = option(0, "engine seed (random weights, requests that bring no seed)")
+    gpu_memory_utilization: float = option(
+        0.90, "fraction of GPU memory the engine may use (weights + activations + KV cache)")
+    max_model_len: int | None = option(
+        None, f"longest prompt + completion in tokens (default: the model's, capped at {MAX_MODEL_LEN_CAP})")
+    max_num_seqs: int = option(256, "most requests decoded in one step")
+    max_num_batched_tokens: int = option(8192, "token budget of one step (decode rows plus prefill chunks)")
+    max_waiting: int = option(1024, "bound of the waiting queue; beyond it requests get 503 with Retry-After",
+                              flag="--max-waiting-requests")
+    kv_block_size: int = option(16, "tokens per KV block", hidden=True)
+    num_kv_blocks: int | None = option(
+        None, "KV blocks in the GPU pool (default: what gpu_memory_utilization leaves on cuda, 512 MiB of fp32 KV "
+        "on cpu); caps KV memory")
+    enable_prefix_caching: bool = option(
+        True, "reuse KV blocks across requests sharing a prompt prefix", aliases=("--no-prefix-cache",))
+    kv_offload: bool = option(False, "keep a copy of every sealed KV block in a pinned host-memory tier and "
+                              "restore prefixes from it (with the prefix cache off: every hit comes from the host)")
+    kv_offload_host_gib: float | None = option(None, "size of the host KV tier in GiB (needs --kv-offload)")
+    draft_model_path: str | None = option(
+        None, "DFlash/DSpark draft model directory for speculative decoding (NOT BUILT YET: refused)",
+        flag="--dflash-draft-model-path")
+    cuda_graph: bool = option(True, "replay decode steps from captured CUDA graphs")
+    pdl: bool = option(True, "programmatic dependent launch: a kernel streams its weights while the previous one "
+                       "ends (sm_90+)")
+    # Timing picks can differ between starts and so change the outputs' last bits; false keeps the
     # heuristic's first pick, so every start computes the same bits.
-    gemm_autotune: bool = True
-    overlap_steps: bool = True  # launch step N+1 before step N's tokens reach the host
-    num_kv_blocks: int | None = None  # override the pool size (cpu default: 512 MiB of fp32 KV)
-    max_waiting: int = 1024
+    gemm_autotune: bool = option(True, "time cuBLASLt algorithms for the decode shapes at start-up (false: the same "
+                                 "algorithms, and so the same output bits, on every start)")
+    persistent_decode: bool = option(True, "batch-1 decode runs every layer in one persistent kernel where the "
+                                     "model fits it (Qwen3 0.6B-8B)")
+    overlap_steps: bool = option(True, "launch each step before the previous one's tokens reach the host, so "
+                                 "scheduling and streaming run while the GPU works")
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
+        if self.model_path is None:
+            raise ConfigError("{model_path} is required")
         self.model_path = str(self.model_path)
         if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}")
+            raise ConfigError("{device} must be one of " + ", ".join(DEVICES) + f", got {self.device!r}")
         if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            raise ConfigError("{load_format} must be one of " + ", ".join(LOAD_FORMATS) + f", got {self.load_format!r}")
+        if not _is_int(self.seed) or self.seed < 0:
+            raise ConfigError("{seed} must be a non-negative integer, got " + repr(self.seed))
+        if not isinstance(self.gpu_memory_utilization, (int, float)) or not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("{gpu_memory_utilization} must be in (0, 1], got " + repr(self.gpu_memory_utilization))
         for name in ("max_num_seqs", "max_num_batched_tokens", "kv_block_size", "max_waiting"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            if not _is_int(v) or v < 1:
+                raise ConfigError("{%s} must be a positive integer, got %r" % (name, v))
         if self.kv_block_size & (self.kv_block_size - 1):
-            raise ValueError(f"kv_block_size must be a power of two, got {self.kv_block_size}")
+            raise ConfigError("{kv_block_size} must be a power of two, got " + str(self.kv_block_size))
         if self.max_num_batched_tokens < self.max_num_seqs:
             # every running sequence must fit one decode row in each step's token budget
-            raise ValueError(f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                             f"max_num_seqs ({self.max_num_seqs})")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
-            raise ValueError(f"num_kv_blocks must be an int >= 2 (block 0 is reserved), got {self.num_kv_blocks!r}")
+            raise ConfigError("{max_num_batched_tokens} (%d) must be >= {max_num_seqs} (%d)"
+                              % (self.max_num_batched_tokens, self.max_num_seqs))
+        if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
+            raise ConfigError("{num_kv_blocks} must be an integer >= 2 (block 0 is reserved), got "
+                              + repr(self.num_kv_blocks))
+        if self.draft_model_path is not None:
+            raise ConfigError("{draft_model_path} (speculative decoding) is not built yet")
         self.model_config = ModelConfig.from_model_dir(self.model_path)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, MAX_MODEL_LEN_CAP)
-        elif not isinstance(self.max_model_len, int) or not 2 <= self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an int in [2, {limit}] (max_position_embeddings), "
-                             f"got {self.max_model_len!r}")
+        elif not _is_int(self.max_model_len) or not 2 <= self.max_model_len <= limit:
+            raise ConfigError("{max_model_len} must be an integer in [2, %d] (max_position_embeddings), got %r"
+                              % (limit, self.max_model_len))
+        self._check_offload()
+
+    def _check_offload(self) -> None:
+        gib = self.kv_offload_host_gib
+        if gib is not None and not self.kv_offload:
+            raise ConfigError("{kv_offload_host_gib} needs {kv_offload}")
+        if not self.kv_offload:
+            return
+        if gib is None:
+            raise ConfigError("{kv_offload} needs {kv_offload_host_gib}: the size of the host tier in GiB")
+        if not isinstance(gib, (int, float)) or not gib > 0:
+            raise ConfigError("{kv_offload_host_gib} must be a positive number of GiB, got " + repr(gib))
+        total = host_memory_bytes()
+        if total and gib * GIB > total:
+            raise ConfigError("{kv_offload_host_gib} %g is more than this machine's memory (%.1f GiB)"
+                              % (gib, total / GIB))
+        need = -(-self.max_model_len // self.kv_block_size)  # one request's blocks at most
+        if self.num_host_blocks < need:
+            raise ConfigError("{kv_offload_host_gib} %g holds fewer blocks than one request of {max_model_len} "
+                              "%d tokens needs (%d blocks, %.2f GiB)"
+                              % (gib, self.max_model_len, need, need * self.kv_block_bytes / GIB))
+
+    # ---- derived sizes (what the backends are built with) ----
+    @property
+    def kv_block_bytes(self) -> int:
+        """One KV block of every layer: bf16 on the GPU, fp32 on the CPU backend."""
+        m = self.model_config
+        return m.num_hidden_layers * 2 * m.num_key_value_heads * self.kv_block_size * m.head_dim * \
+            (4 if self.device == "cpu" else 2)
+
+    @property
+    def host_kv_bytes(self) -> int:
+        """The host tier's size in bytes (0: no tier)."""
+        return int(self.kv_offload_host_gib * GIB) if self.kv_offload else 0
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.host_kv_bytes // self.kv_block_bytes
+
+    @property
+    def gpu_num_kv_blocks(self) -> int:
+        return self.num_kv_blocks or 0  # 0: size the pool from free memory
 
     def cpu_num_kv_blocks(self) -> int:
         """Pool size of the CPU backend: the override, or what fits the fp32 KV budget."""
         if self.num_kv_blocks is not None:
             return self.num_kv_blocks
-        m = self.model_config
-        per_block = m.num_hidden_layers * 2 * m.num_key_value_heads * self.kv_block_size * m.head_dim * 4
-        return max(2, CPU_KV_BUDGET_BYTES // per_block)
+        return max(2, CPU_KV_BUDGET_BYTES // self.kv_block_bytes)
+
+
+@dataclass
+class ServerConfig:
+    """openinfer-serve's own options (the HTTP side); flags generated like EngineConfig's."""
+    host: str = option("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = option(8000, "TCP port to listen on")
+    served_model_name: str | None = option(
+        None, "model name clients must send in 'model' (default: the model directory's name)")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize")
+    max_body_mib: float = option(8, "largest request body accepted in MiB (413 beyond)")
+    log_level: str = option("info", "log level of the server and the engine",
+                            choices=("debug", "info", "warning", "error", "critical"))
+
+
+def _option_names() -> list[str]:
+    return [f.name for cls in (EngineConfig, ServerConfig) for f in fields(cls) if f.init]
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def host_memory_bytes() -> int:
+    """Physical memory of this machine (0 when unknown)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

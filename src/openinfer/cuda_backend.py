@@ -1,4 +1,4 @@
-"""The CUDA backend: weights into `_engine.Engine`, and the step interface of docs/architecture.md."""
+"""The CUDA backend: weights into `_engine.Engine`, and the step contract of openinfer.step."""
 from __future__ import annotations
 
 import logging
@@ -8,8 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import StepOutput
 from .config import EngineConfig, ModelConfig
+from .safetensors_io import bf16_to_f32
+from .step import StepInput, StepOutput
 
 log = logging.getLogger("openinfer")
 
@@ -64,22 +65,16 @@ class _Closed:
 
 
 class CudaBackend:
+    """The step contract (openinfer.step) on `_engine.Engine`."""
+
     def __init__(self, m: ModelConfig, c: EngineConfig):
         from . import _engine  # compiled module; imported here so that `import openinfer` needs no GPU
 
+        if _engine.device_count() == 0:
+            raise RuntimeError("no CUDA GPU was found")
         self.model_config = m
         t0 = time.perf_counter()
-        model = dict(hidden_size=m.hidden_size, intermediate_size=m.intermediate_size,
-                     num_hidden_layers=m.num_hidden_layers, num_attention_heads=m.num_attention_heads,
-                     num_key_value_heads=m.num_key_value_heads, head_dim=m.head_dim, vocab_size=m.vocab_size,
-                     rms_norm_eps=m.rms_norm_eps, rope_theta=m.rope_theta,
-                     tie_word_embeddings=m.tie_word_embeddings)
-        opts = dict(max_num_batched_tokens=c.max_num_batched_tokens, max_num_seqs=c.max_num_seqs,
-                    max_model_len=c.max_model_len, kv_block_size=c.kv_block_size,
-                    gpu_memory_utilization=c.gpu_memory_utilization, num_kv_blocks=c.num_kv_blocks or 0,
-                    cublaslt_path=_cublaslt_hint(), cuda_graph=c.cuda_graph, pdl=c.pdl,
-                    gemm_autotune=c.gemm_autotune)
-        self.eng = _engine.Engine(model, opts)
+        self.eng = _engine.Engine(m, c, _cublaslt_hint())
         if c.load_format == "random":
             self.eng.init_random(c.seed)
         else:
@@ -90,45 +85,50 @@ class CudaBackend:
                     kind, layer, off = slot
                     self.eng.load_tensor(kind, layer, arr, off)
         t_load = time.perf_counter() - t0
+        t1 = time.perf_counter()
         self.num_kv_blocks = int(self.eng.finalize())
+        self.num_host_blocks = int(self.eng.num_host_blocks)
         gib = 1 << 30
         log.info("CUDA engine on %s: weights %.2f GiB (%s, %.1f s), activations %.2f GiB, KV pool %d blocks x %.2f MiB "
                  "= %.2f GiB (gpu_memory_utilization %.2f)", self.eng.device_name, self.eng.weight_bytes / gib,
                  c.load_format, t_load, self.eng.activation_bytes / gib, self.num_kv_blocks,
                  self.eng.kv_block_bytes / (1 << 20), self.num_kv_blocks * self.eng.kv_block_bytes / gib,
                  c.gpu_memory_utilization)
+        if self.num_host_blocks:
+            log.info("host KV tier: %d blocks = %.2f GiB of pinned memory", self.num_host_blocks,
+                     self.num_host_blocks * self.eng.kv_block_bytes / gib)
         if c.cuda_graph:
-            log.info("CUDA graphs captured for decode batch sizes %s", self.eng.graph_batches)
+            log.info("CUDA graphs captured for decode batch sizes %s (%.1f s with the KV pool)", self.eng.graph_batches,
+                     time.perf_counter() - t1)
         self.last_gpu_ms = 0.0
 
     def close(self) -> None:
         """Frees the GPU memory now (weights, KV cache, graphs) instead of whenever the last reference
         goes; pending steps finish first. Idempotent."""
         eng, self.eng = self.eng, _Closed()
-        del eng  # the C++ destructor syncs the stream and frees everything it allocated
+        del eng  # the C++ destructor syncs the streams and frees everything it allocated
 
-    def launch(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
-               temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,
-               force_eager: bool = False, prev_rows=None) -> None:
-        """Queues a step (at most two pending); prev_rows[b] >= 0 feeds row b the previous step's token."""
-        self.eng.launch(input_ids, positions, query_start_loc, context_lens, np.atleast_2d(block_tables), slot_mapping,
-                        sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs,
-                        return_logits, force_eager, prev_rows)
+    def launch(self, step: StepInput) -> None:
+        self.eng.launch(step)
 
     def collect(self) -> StepOutput:
-        return self._output(*self.eng.collect())
+        return self._output(self.eng.collect())
 
-    def _output(self, tokens, lps, top_ids, top_lps, logits, gpu_ms) -> StepOutput:
-        self.last_gpu_ms = gpu_ms
-        n = top_ids.shape[1] if top_ids.ndim == 2 else 0
-        return StepOutput(tokens=tokens, logprobs=lps, top_ids=top_ids if n else None,
-                          top_logprobs=top_lps if n else None, logits=logits)
+    def step(self, step: StepInput) -> StepOutput:
+        return self._output(self.eng.step(step))
 
-    def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
-             temperature, top_p, top_k, seeds, num_logprobs: int = 0, return_logits: bool = False,
-             force_eager: bool = False) -> StepOutput:
-        """force_eager: run a decode step's bucket without its CUDA graph (tests compare the two)."""
-        return self._output(*self.eng.step(
-            input_ids, positions, query_start_loc, context_lens, np.atleast_2d(block_tables), slot_mapping,
-            sample_idx, temperature, top_p, top_k, np.asarray(seeds, dtype=np.uint64), num_logprobs, return_logits,
-            force_eager))
+    def _output(self, d: dict) -> StepOutput:
+        out = StepOutput(**d)
+        self.last_gpu_ms = out.gpu_ms
+        if out.hidden is not None:  # bf16 bits [R, L * H] -> float32 [R, L, H]
+            out.hidden = bf16_to_f32(out.hidden).reshape(len(out.hidden), -1, self.model_config.hidden_size)
+        return out
+
+    def copy_progress(self) -> tuple[int, int]:
+        return self.eng.copy_progress()
+
+    def wait_copies(self) -> None:
+        self.eng.wait_copies()
+
+    def copy_stats(self) -> dict:
+        return self.eng.copy_stats

@@ -12,6 +12,7 @@ from typing import Callable, Sequence as Seq
 import numpy as np
 
 from .block_manager import BlockManager
+from .host_tier import HostTier
 from .config import EngineConfig
 from .runner import Runner
 from .sampling_params import SamplingParams
@@ -35,18 +36,22 @@ class LLMEngine:
         self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
+        nh = self.backend.num_host_blocks
+        self.host_tier = HostTier(nh, config.kv_block_size) if nh else None
         self.scheduler = Scheduler(
             self.block_manager, self.tokenizer, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting,
-            eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids)
+            eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids, host_tier=self.host_tier)
         self.runner = Runner(self.backend, config.kv_block_size)
-        self._overlap = config.overlap_steps and hasattr(self.backend, "launch")
+        self._overlap = config.overlap_steps
         self._inflight = None  # the step launched and not yet collected (overlapped steps)
+        self._launches = 0  # the backend numbers launches 1, 2, ... (copy_progress() speaks of them)
         self._closed = False
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
-        log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d", config.device,
-                 self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len)
+        log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d%s", config.device,
+                 self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len,
+                 f", host KV tier of {nh} blocks ({nh * config.kv_block_bytes / (1 << 30):.2f} GiB)" if nh else "")
 
     def _make_backend(self):
         c, m = self.config, self.model_config
@@ -64,7 +69,7 @@ class LLMEngine:
         else:
             from .loader import load_weights_fp32
             weights = load_weights_fp32(c.model_path, m)
-        return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size)
+        return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size, c.num_host_blocks)
 
     def close(self) -> None:
         """Drops every request and releases the backend's memory (the GPU's at once). Idempotent; the
@@ -123,24 +128,42 @@ class LLMEngine:
 
     def _step(self, before_launch) -> tuple[list[RequestUpdate], bool]:
         """(updates, whether a step's results came back)."""
+        sched = self.scheduler
+        if sched.copies_in_flight():
+            sched.copies_landed(*self.backend.copy_progress())
         prev = self._inflight
+        batch = sched.schedule(prev)
         if prev is None:
-            batch = self.scheduler.schedule()
-            if not batch.items:
+            if batch.empty:
+                if sched.copies_in_flight():  # nothing to run until a copy lands (a restore, held blocks)
+                    self.backend.wait_copies()
+                    sched.copies_landed(*self.backend.copy_progress())
                 return [], False
             if not self._overlap:
-                return self.scheduler.postprocess(batch, self.runner.run(batch, before_launch)), True
-            self.runner.launch(batch, before_launch)
+                self._launch(batch, before_launch)
+                return sched.postprocess(batch, self.runner.collect()), True
+            self._launch(batch, before_launch)
             self._inflight = batch
             return [], False
-        nxt = self.scheduler.schedule_next(prev)
-        if nxt is not None:
-            self.runner.launch(nxt, before_launch)
+        if not batch.empty:
+            self._launch(batch, before_launch)
             self._timing["overlapped"] += 1
-        elif before_launch is not None:
-            before_launch()  # nothing launched: hand over the held updates before waiting on the GPU
-        self._inflight = nxt
-        return self.scheduler.postprocess(prev, self.runner.collect()), True
+            self._inflight = batch
+        else:
+            self._inflight = None
+            if before_launch is not None:
+                before_launch()  # nothing launched: hand over the held updates before waiting on the GPU
+        return sched.postprocess(prev, self.runner.collect()), True
+
+    def _launch(self, batch, before_launch) -> None:
+        try:
+            self.runner.launch(batch, before_launch)
+        except BaseException:  # refused (a ValueError) before anything was queued
+            self.scheduler.not_launched(batch)
+            raise
+        self._launches += 1
+        batch.launch = self._launches
+        self.scheduler.launched(batch)
 
     def _abandon_inflight(self) -> None:
         """After a failed step (or on close): collect whatever is still queued so the backend starts clean."""

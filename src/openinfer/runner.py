@@ -1,69 +1,63 @@
-"""Packs a scheduled step into the flat arrays of the backend step interface and runs it."""
+"""Packs a scheduled step into the backend's StepInput (openinfer.step) and runs it. The runner decides
+nothing: what runs, which blocks and which copies come from the scheduler."""
 from __future__ import annotations
 
 from typing import Callable
 
 import numpy as np
 
-from .backend import StepOutput
 from .scheduler import ScheduledBatch
+from .step import Backend, StepInput, StepOutput
+
+
+def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
+    items = batch.items
+    lens = np.array([it.num_tokens for it in items], dtype=np.int32)
+    starts = np.array([it.start for it in items], dtype=np.int32)
+    qsl = np.zeros(len(items) + 1, dtype=np.int32)
+    np.cumsum(lens, out=qsl[1:])
+    fed = any(it.feed_row >= 0 for it in items)
+    # a token still on the device gets a placeholder here (prev_rows says where to take it from)
+    input_ids = np.fromiter((t for it in items for t in ((0,) if it.feed_row >= 0 else
+                                                         it.seq.token_ids[it.start:it.start + it.num_tokens])),
+                            dtype=np.int32, count=int(qsl[-1]))
+    row = np.repeat(np.arange(len(items)), lens)  # sequence of each token
+    positions = (starts[row] + np.arange(qsl[-1]) - qsl[:-1][row]).astype(np.int32)
+    width = max((len(it.seq.block_table) for it in items), default=1)
+    block_tables = np.zeros((len(items), width), dtype=np.int32)  # padding entries: block 0
+    for b, it in enumerate(items):
+        block_tables[b, :len(it.seq.block_table)] = it.seq.block_table
+    slot_mapping = (block_tables[row, positions // block_size] * block_size
+                    + positions % block_size).astype(np.int32)
+    sampled = [it for it in items if it.sample]
+    sample_mask = np.array([it.sample for it in items], dtype=bool)
+    return StepInput(
+        input_ids=input_ids, positions=positions, query_start_loc=qsl, context_lens=starts + lens,
+        block_tables=block_tables, slot_mapping=slot_mapping,
+        sample_idx=(qsl[1:][sample_mask] - 1).astype(np.int32),
+        temperature=np.array([it.seq.params.temperature for it in sampled], dtype=np.float32),
+        top_p=np.array([it.seq.params.top_p for it in sampled], dtype=np.float32),
+        top_k=np.array([it.seq.params.top_k for it in sampled], dtype=np.int32),
+        seeds=np.array([it.seq.seed for it in sampled], dtype=np.uint64),
+        num_logprobs=max((it.seq.params.logprobs or 0 for it in sampled), default=0),
+        prev_rows=np.array([it.feed_row for it in items], dtype=np.int32) if fed else None,
+        kv_save=np.array(batch.kv_save, dtype=np.int32).reshape(-1, 2),
+        kv_load=np.array(batch.kv_load, dtype=np.int32).reshape(-1, 2),
+    )
 
 
 class Runner:
-    def __init__(self, backend, block_size: int):
+    def __init__(self, backend: Backend, block_size: int):
         self.backend = backend
         self.block_size = block_size
 
-    @staticmethod
-    def pack(batch: ScheduledBatch, block_size: int) -> dict:
-        """The keyword arguments of backend.step() for this batch (docs/architecture.md)."""
-        items = batch.items
-        lens = np.array([it.num_tokens for it in items], dtype=np.int32)
-        starts = np.array([it.start for it in items], dtype=np.int32)
-        qsl = np.zeros(len(items) + 1, dtype=np.int32)
-        np.cumsum(lens, out=qsl[1:])
-        fed = any(it.feed_row >= 0 for it in items)
-        # a token still on the device gets a placeholder here (prev_rows says where to take it from)
-        input_ids = np.fromiter((t for it in items for t in ((0,) if it.feed_row >= 0 else
-                                                             it.seq.token_ids[it.start:it.start + it.num_tokens])),
-                                dtype=np.int32, count=int(qsl[-1]))
-        row = np.repeat(np.arange(len(items)), lens)  # sequence of each token
-        positions = (starts[row] + np.arange(qsl[-1]) - qsl[:-1][row]).astype(np.int32)
-        width = max((len(it.seq.block_table) for it in items), default=1)
-        block_tables = np.zeros((len(items), width), dtype=np.int32)  # padding entries: block 0
-        for b, it in enumerate(items):
-            block_tables[b, :len(it.seq.block_table)] = it.seq.block_table
-        slot_mapping = (block_tables[row, positions // block_size] * block_size
-                        + positions % block_size).astype(np.int32)
-        sampled = [it for it in items if it.sample]
-        sample_mask = np.array([it.sample for it in items], dtype=bool)
-        args = dict(
-            input_ids=input_ids, positions=positions, query_start_loc=qsl, context_lens=starts + lens,
-            block_tables=block_tables, slot_mapping=slot_mapping,
-            sample_idx=(qsl[1:][sample_mask] - 1).astype(np.int32),
-            temperature=np.array([it.seq.params.temperature for it in sampled], dtype=np.float32),
-            top_p=np.array([it.seq.params.top_p for it in sampled], dtype=np.float32),
-            top_k=np.array([it.seq.params.top_k for it in sampled], dtype=np.int32),
-            seeds=np.array([it.seq.seed for it in sampled], dtype=np.uint64),
-            num_logprobs=max((it.seq.params.logprobs or 0 for it in sampled), default=0),
-        )
-        if fed:
-            args["prev_rows"] = np.array([it.feed_row for it in items], dtype=np.int32)
-        return args
-
-    def run(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> StepOutput:
-        """Runs one step; StepOutput rows follow the batch's sampling items in order."""
-        args = self.pack(batch, self.block_size)
-        if before_launch is not None:
-            before_launch()
-        return self.backend.step(**args)
-
     def launch(self, batch: ScheduledBatch, before_launch: Callable[[], None] | None = None) -> None:
         """Queues a step on the backend (at most two in flight); collect() returns outputs in order."""
-        args = self.pack(batch, self.block_size)
+        step = pack(batch, self.block_size)
         if before_launch is not None:
             before_launch()
-        self.backend.launch(**args)
+        self.backend.launch(step)
 
     def collect(self) -> StepOutput:
+        """The oldest launched step's output; its rows follow the batch's sampling items in order."""
         return self.backend.collect()

@@ -1,10 +1,14 @@
 """Who runs each step: full-lifetime admission, chunked prefill under a token budget, decode rows,
-stop checks, finish and abort. Policy only: no arrays, no device memory.
+stop checks, finish and abort, and the host KV tier's copies. Policy only: no arrays, no device memory.
 
 Admission reserves, for each admitted request, every block it can ever need (prompt + max_tokens,
 less prefix-cache hits) so a running request never waits for memory and nothing is preempted.
 Blocks are still allocated lazily; the not-yet-allocated part of each reservation is its
 "promise", and the pool's free blocks (including evictable cached ones) always cover all promises.
+
+With a host tier, every block is saved to it when sealed, and admission continues the prefix match
+there: the hits get device blocks at once, are restored by copy, and the request's prefill starts once
+the copy has landed. A block a copy reads or fills is held (an extra reference) until then.
 """
 from __future__ import annotations
 
@@ -12,9 +16,10 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .backend import StepOutput
-from .block_manager import BlockManager
+from .block_manager import BlockManager, block_hash
+from .host_tier import HostTier
 from .sampling_params import SamplingParams
+from .step import StepOutput
 from .tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -71,6 +76,7 @@ class Sequence:
         self.detok = detok
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.restoring = False  # host-tier blocks on their way in: no prefill until they land
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -95,12 +101,30 @@ class ScheduledSeq:
 
 
 @dataclass
+class Restore:
+    seq: Sequence
+    blocks: list[tuple[int, int]]  # (host slot, device block), in prefix order
+    first: int  # index of the first restored block in the sequence's table
+
+
+@dataclass
 class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
+    kv_save: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    restores: list[Restore] = field(default_factory=list)
+    launch: int = 0  # the backend's number of the launch that carried it (set by the engine)
 
     @property
     def num_tokens(self) -> int:
         return sum(i.num_tokens for i in self.items)
+
+    @property
+    def kv_load(self) -> list[tuple[int, int]]:  # (host slot, device block)
+        return [pair for r in self.restores for pair in r.blocks]
+
+    @property
+    def empty(self) -> bool:
+        return not (self.items or self.kv_save or self.restores)
 
 
 @dataclass
@@ -118,12 +142,18 @@ class SchedulerStats:
     prefill_tokens_computed: int  # prompt tokens actually run through the model
     generation_tokens: int
     num_finished: int
+    host_tier_blocks_total: int = 0
+    host_tier_blocks_used: int = 0
+    host_hit_tokens: int = 0  # prompt tokens restored from the host tier
+    offloaded_blocks: int = 0  # blocks whose save to the host tier was issued
+    restored_blocks: int = 0
+    host_tier_evictions: int = 0
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, tokenizer: Tokenizer, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         self.bm = block_manager
@@ -137,8 +167,13 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
+        self.tier = host_tier
+        self._saves: list[tuple[int, int]] = []  # sealed blocks to save, with the next batch
+        self._saving: deque[ScheduledBatch] = deque()  # launched, saves not landed (launch order)
+        self._loading: deque[ScheduledBatch] = deque()  # launched, restores not landed
         self._counters = dict(prefix_cache_hit_tokens=0, prefix_cache_queried_tokens=0, prompt_tokens=0,
-                              prefill_tokens_computed=0, generation_tokens=0, num_finished=0)
+                              prefill_tokens_computed=0, generation_tokens=0, num_finished=0, host_hit_tokens=0,
+                              offloaded_blocks=0, restored_blocks=0)
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> Sequence:
@@ -188,32 +223,54 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step ----
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, prev: ScheduledBatch | None = None) -> ScheduledBatch:
+        """The next step: decode rows first (one token each), then the next chunk of every prompt under
+        way, in admission order, then admissions from the head of the queue, under the token budget.
+
+        With `prev` (overlapped steps), the step after prev, scheduled while prev runs, before its
+        postprocess(): what schedule() would return once prev is done, except that a row whose input is
+        prev's sampled token takes it on the device (feed_row: prev's output row; these rows come first,
+        at their own index, as the backend wants). A sequence that stops on prev's token (EOS, a stop
+        string) wastes its row: postprocess() skips rows of finished sequences; one that prev's token
+        ends by length gets none. Admission sees the pool before prev's postprocess, so a request may
+        wait one step longer, never shorter."""
         batch, budget = ScheduledBatch(), self.max_num_batched_tokens
-        for seq in self.running:  # decode rows first: one token each
-            if seq.num_computed >= seq.num_prompt:
-                batch.items.append(ScheduledSeq(seq, seq.num_computed, 1, True))
-                budget -= 1
-        for seq in self.running:  # prefills already under way, in admission order
-            if seq.num_computed < seq.num_prompt and budget > 0:
-                budget -= self._add_chunk(batch, seq, budget)
+        done: dict[int, int] = {}  # id(seq) -> tokens computed once prev has run
+        if prev is None:
+            for seq in self.running:
+                if seq.num_computed >= seq.num_prompt and not seq.restoring:
+                    batch.items.append(ScheduledSeq(seq, seq.num_computed, 1, True))
+                    budget -= 1
+        else:
+            row = 0
+            for it in prev.items:
+                seq, r = it.seq, row
+                row += it.sample
+                if seq.status is not Status.RUNNING:
+                    continue
+                done[id(seq)] = it.start + it.num_tokens
+                if it.sample and len(seq.token_ids) + 1 < seq.max_len:
+                    batch.items.append(ScheduledSeq(seq, it.start + it.num_tokens, 1, True, feed_row=r))
+                    budget -= 1
+        for seq in self.running:  # prompts under way, in admission order
+            start = done.get(id(seq), seq.num_computed)
+            if start < seq.num_prompt and budget > 0 and not seq.restoring:
+                budget -= self._add_chunk(batch, seq, budget, start)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self._admit(seq):
+            if not self._admit(seq, batch):
                 break  # FIFO: nobody overtakes the head of the queue
             self.waiting.popleft()
-            budget -= self._add_chunk(batch, seq, budget)
-        self._allocate(batch)
-        return batch
-
-    def _allocate(self, batch: ScheduledBatch) -> None:
+            if not seq.restoring:
+                budget -= self._add_chunk(batch, seq, budget, seq.num_computed)
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
             need = -(-(it.start + it.num_tokens) // self.bs)
             while len(it.seq.block_table) < need:
                 it.seq.block_table.append(self.bm.allocate())
+        batch.kv_save, self._saves = self._saves, []
+        return batch
 
-    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, start: int | None = None) -> int:
-        start = seq.num_computed if start is None else start
+    def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, start: int) -> int:
         n = min(seq.num_prompt - start, budget)
         batch.items.append(ScheduledSeq(seq, start, n, start + n == seq.num_prompt))
         self._counters["prefill_tokens_computed"] += n
@@ -222,64 +279,103 @@ class Scheduler:
     def promised_blocks(self) -> int:
         return sum(s.promise for s in self.running)
 
-    def _admission_cost(self, seq: Sequence) -> tuple[list[int], int]:
-        """(prefix-cache hits, blocks admission takes from the pool's uncommitted free blocks)."""
-        # a hit never covers the last prompt token: it must be recomputed to produce logits
-        hits = self.bm.match_prefix(seq.token_ids, (seq.num_prompt - 1) // self.bs)
-        taken_from_free = sum(self.bm.is_free(b) for b in hits)
-        return hits, (seq.blocks_needed - len(hits)) + taken_from_free
-
-    # ---- overlapped steps ----
-    def schedule_next(self, prev: ScheduledBatch) -> ScheduledBatch | None:
-        """The step after `prev`, scheduled while prev runs (before its postprocess()): what schedule()
-        would return once prev is done, except that a row whose input is prev's sampled token takes it
-        on the device (feed_row: prev's output row). Those rows come first, one token each (the backend
-        feeds rows at their own index); then prompt chunks, then admissions. A sequence that stops on
-        prev's token (EOS, a stop string) wastes its row: postprocess() skips rows of finished
-        sequences; one that prev's token ends by length gets none. None when nothing would run."""
-        batch, budget = ScheduledBatch(), self.max_num_batched_tokens
-        after_prev: dict[int, int] = {}  # id(seq) -> tokens computed once prev has run
-        row = 0
-        for it in prev.items:
-            seq, r = it.seq, row
-            row += it.sample
-            if seq.status is not Status.RUNNING:
-                continue
-            after_prev[id(seq)] = it.start + it.num_tokens
-            if it.sample and len(seq.token_ids) + 1 < seq.max_len:
-                batch.items.append(ScheduledSeq(seq, it.start + it.num_tokens, 1, True, feed_row=r))
-                budget -= 1
-        for seq in self.running:  # prompts under way, in admission order
-            done = after_prev.get(id(seq), seq.num_computed)
-            if done < seq.num_prompt and budget > 0:
-                budget -= self._add_chunk(batch, seq, budget, start=done)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if not self._admit(seq):
-                break
-            self.waiting.popleft()
-            budget -= self._add_chunk(batch, seq, budget)
-        if not batch.items:
-            return None
-        self._allocate(batch)
-        return batch
-
-    def _admit(self, seq: Sequence) -> bool:
-        hits, cost = self._admission_cost(seq)
+    def _admit(self, seq: Sequence, batch: ScheduledBatch) -> bool:
+        # A hit never covers the last prompt token: it must be recomputed to produce logits.
+        max_blocks = (seq.num_prompt - 1) // self.bs
+        hits = self.bm.match_prefix(seq.token_ids, max_blocks)
+        cost = (seq.blocks_needed - len(hits)) + sum(self.bm.is_free(b) for b in hits)
         if cost > self.bm.num_free - self.promised_blocks():
             return False
         self.bm.acquire(hits)
         seq.block_table = list(hits)
-        seq.num_computed = seq.num_cached_tokens = len(hits) * self.bs
         seq.num_sealed = len(hits)
         seq.last_hash = self.bm.blocks[hits[-1]].hash if hits else None
+        seq.num_computed = seq.num_cached_tokens = len(hits) * self.bs
+        if self.tier is not None:
+            slots = self.tier.match(seq.token_ids, seq.last_hash, len(hits), max_blocks)
+            if slots:
+                self._restore(seq, slots, batch)
         seq.status = Status.RUNNING
         self.running.append(seq)
         c = self._counters
         c["prefix_cache_queried_tokens"] += seq.num_prompt
-        c["prefix_cache_hit_tokens"] += seq.num_cached_tokens
+        c["prefix_cache_hit_tokens"] += len(hits) * self.bs
         c["prompt_tokens"] += seq.num_prompt
         return True
+
+    def _chain(self, seq: Sequence, n: int) -> int | None:
+        h = None
+        for i in range(n):
+            h = block_hash(h, seq.token_ids[i * self.bs:(i + 1) * self.bs])
+        return h
+
+    # ---- the host tier ----
+    def _restore(self, seq: Sequence, slots: list[int], batch: ScheduledBatch) -> None:
+        """Device blocks for the host hits (taken from the sequence's promise), filled by copy."""
+        pairs = []
+        for slot in slots:
+            bid = self.bm.allocate()
+            self.bm.acquire([bid])  # held until the copy lands, even if the request goes first
+            self.tier.pin(slot)
+            pairs.append((slot, bid))
+        batch.restores.append(Restore(seq, pairs, len(seq.block_table)))
+        seq.block_table += [bid for _, bid in pairs]
+        seq.num_sealed += len(slots)
+        seq.last_hash = self.tier.entry(slots[-1])[0]
+        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.bs
+        seq.restoring = True
+        self._counters["host_hit_tokens"] += len(slots) * self.bs
+        self._counters["restored_blocks"] += len(slots)
+
+    def _offload(self, block_id: int, h: int, prev: int | None, toks) -> None:
+        slot = self.tier.reserve(h, prev, toks)
+        if slot is not None:  # None: the tier has it already, or every slot is in use by a copy
+            self.bm.acquire([block_id])  # held until the save lands
+            self._saves.append((block_id, slot))
+            self._counters["offloaded_blocks"] += 1
+
+    def launched(self, batch: ScheduledBatch) -> None:
+        """The engine launched `batch` as launch number batch.launch: its copies are in flight."""
+        if batch.kv_save:
+            self._saving.append(batch)
+        if batch.restores:
+            self._loading.append(batch)
+
+    def not_launched(self, batch: ScheduledBatch) -> None:
+        """The launch of `batch` failed before its copies were issued: undo them. Saves are forgotten
+        (the blocks are saved again if ever sealed again); restoring sequences recompute those blocks."""
+        for bid, slot in batch.kv_save:
+            self.tier.forget(slot)
+            self.bm.release([bid])
+        for r in batch.restores:
+            for slot, bid in r.blocks:
+                self.tier.unpin(slot)
+                self.bm.release([bid])
+            r.seq.restoring = False
+            r.seq.num_computed = r.seq.num_cached_tokens = r.first * self.bs
+            r.seq.num_sealed = r.first
+            r.seq.last_hash = self._chain(r.seq, r.first)
+
+    def copies_in_flight(self) -> bool:
+        return bool(self._saving or self._loading)
+
+    def copies_landed(self, saves_upto: int, loads_upto: int) -> None:
+        """The backend's copy_progress(): release what landed copies held; restored sequences may run."""
+        while self._saving and self._saving[0].launch <= saves_upto:
+            for bid, slot in self._saving.popleft().kv_save:
+                self.tier.landed(slot)
+                self.bm.release([bid])
+        while self._loading and self._loading[0].launch <= loads_upto:
+            for r in self._loading.popleft().restores:
+                alive = r.seq.status is Status.RUNNING
+                prev = self.tier.entry(r.blocks[0][0])[1]  # the chain hash before the first restored block
+                for slot, bid in r.blocks:
+                    if alive:  # the bytes are on the device now: GPU prefix hits may share them
+                        h, _, toks = self.tier.entry(slot)
+                        prev = self.bm.seal(bid, prev, toks)
+                    self.tier.unpin(slot)
+                    self.bm.release([bid])
+                r.seq.restoring = False
 
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestUpdate]:
         updates, row = [], 0
@@ -302,8 +398,10 @@ class Scheduler:
     def _seal(self, seq: Sequence) -> None:
         while (seq.num_sealed + 1) * self.bs <= seq.num_computed:
             i = seq.num_sealed
-            seq.last_hash = self.bm.seal(seq.block_table[i], seq.last_hash,
-                                         seq.token_ids[i * self.bs:(i + 1) * self.bs])
+            toks, prev = seq.token_ids[i * self.bs:(i + 1) * self.bs], seq.last_hash
+            seq.last_hash = self.bm.seal(seq.block_table[i], prev, toks)
+            if self.tier is not None:
+                self._offload(seq.block_table[i], seq.last_hash, prev, toks)
             seq.num_sealed += 1
 
     def _append_token(self, seq: Sequence, out: StepOutput, r: int) -> RequestUpdate:
@@ -340,7 +438,10 @@ class Scheduler:
         self._counters["num_finished"] += 1
 
     def stats(self) -> SchedulerStats:
+        t = self.tier
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
                               kv_blocks_total=self.bm.num_usable, kv_blocks_used=self.bm.num_used,
                               kv_blocks_free=self.bm.num_free, kv_blocks_cached=self.bm.num_cached,
-                              kv_blocks_promised=self.promised_blocks(), **self._counters)
+                              kv_blocks_promised=self.promised_blocks(),
+                              host_tier_blocks_total=t.num_slots if t else 0, host_tier_blocks_used=t.num_used if t else 0,
+                              host_tier_evictions=t.evictions if t else 0, **self._counters)

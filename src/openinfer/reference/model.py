@@ -1,82 +1,163 @@
-"""NumPy fp32 Qwen3: `ReferenceBackend.step()` (paged, the same contract as the CUDA backend) and
-`dense_forward` (plain whole-sequence forward, written separately, to check the paged path)."""
+"""NumPy fp32 Qwen3: `ReferenceBackend` (paged, the step contract of openinfer.step, as the CUDA backend)
+and `dense_forward` (plain whole-sequence forward, written separately, to check the paged path)."""
 from __future__ import annotations
 
+import time
 from collections import deque
 
 import numpy as np
 
-from ..backend import StepOutput
 from ..config import ModelConfig
+from ..step import StepInput, StepOutput
 from . import ops
 
 F32 = np.float32
 
 
 class ReferenceBackend:
+    """The step contract (openinfer.step) in NumPy fp32, copies of the host tier included.
+
+    copy_latency: a batch of KV copies lands (its data moves) only when that many later steps have been
+    launched, instead of at once; tests raise it so that a block reused while its copy is in flight
+    shows up as wrong data, as it would on the GPU."""
+
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], num_blocks: int,
-                 block_size: int = 16):
+                 block_size: int = 16, num_host_blocks: int = 0, copy_latency: int = 0):
         c = self.cfg = model_config
         self.block_size = block_size
         self.num_kv_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
+        self.copy_latency = copy_latency
         self.w = {k: np.ascontiguousarray(v, dtype=F32) for k, v in weights.items()}
         self.embed = self.w["model.embed_tokens.weight"]
         self.lm_head = self.w.get("lm_head.weight", self.embed) if not c.tie_word_embeddings else self.embed
         # one block = every layer's K and V for block_size tokens (docs/architecture.md)
-        self.kv_cache = np.zeros((num_blocks, c.num_hidden_layers, 2, c.num_key_value_heads, block_size,
-                                  c.head_dim), dtype=F32)
+        shape = (c.num_hidden_layers, 2, c.num_key_value_heads, block_size, c.head_dim)
+        self.kv_cache = np.zeros((num_blocks, *shape), dtype=F32)
+        self.host_kv = np.zeros((num_host_blocks, *shape), dtype=F32)
         self._pending: deque[StepOutput] = deque()
         self._last: StepOutput | None = None
+        self._launches = 0
+        self._copies: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (launch, saves, loads) not landed
+        self._stats = dict(saved_bytes=0, restored_bytes=0, restore_seconds=0.0)
 
     def close(self) -> None:
-        self.w, self.kv_cache = {}, None
+        self.w, self.kv_cache, self.host_kv = {}, None, None
 
-    def launch(self, prev_rows=None, **args) -> None:
-        """The overlapped-step contract of the CUDA backend, computed at once: prev_rows[b] >= 0 takes
-        row b's input token from the previous launch's output."""
-        if prev_rows is not None:
-            prev_rows = np.asarray(prev_rows)
-            fed = np.flatnonzero(prev_rows >= 0)
-            qsl = np.asarray(args["query_start_loc"])
-            # the CUDA engine's rules: a step launched before, fed rows are one token at their own index
-            if self._last is None or (prev_rows >= len(self._last.tokens)).any() or (prev_rows < -1).any() or \
-                    (qsl[fed] != fed).any() or (qsl[fed + 1] != fed + 1).any():
-                raise ValueError("prev_rows: fed rows must be one token at their own index, from a step launched before")
-            ids = np.array(args["input_ids"], dtype=np.int32)
-            ids[fed] = self._last.tokens[prev_rows[fed]]
-            args["input_ids"] = ids
+    # ---- the step contract ----
+    def step(self, step: StepInput) -> StepOutput:
+        if self._pending:
+            raise RuntimeError("step() with launched steps not collected")
+        self.launch(step)
+        return self.collect()
+
+    def launch(self, step: StepInput) -> None:
         if len(self._pending) >= 2:
             raise RuntimeError("launch() with two steps already pending: collect() first")
-        self._pending.append(self.step(**args))
+        ids = self._check(step)
+        self._launches += 1
+        if len(step.kv_save) or len(step.kv_load):
+            self._copies.append((self._launches, np.asarray(step.kv_save), np.asarray(step.kv_load)))
+        self._land(self._launches - self.copy_latency)
+        out = self._run(step, ids)
+        self._last = out
+        self._pending.append(out)
 
     def collect(self) -> StepOutput:
+        if not self._pending:
+            raise RuntimeError("collect() with no step launched")
         return self._pending.popleft()
 
-    def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping,
-             sample_idx, temperature, top_p, top_k, seeds, num_logprobs: int = 0,
-             return_logits: bool = False) -> StepOutput:
-        T, B = len(input_ids), len(context_lens)
-        if len(positions) != T or len(slot_mapping) != T or len(query_start_loc) != B + 1 \
-                or block_tables.shape[0] != B or query_start_loc[-1] != T:
-            raise ValueError("step(): inconsistent array lengths")
-        hidden = self._forward(input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping,
-                               sample_idx)
+    def copy_progress(self) -> tuple[int, int]:
+        done = self._copies[0][0] - 1 if self._copies else self._launches
+        return done, done
+
+    def wait_copies(self) -> None:
+        self._land(self._launches)
+
+    def copy_stats(self) -> dict:
+        return dict(self._stats)
+
+    def _land(self, upto: int) -> None:
+        block_bytes = self.kv_cache[0].nbytes if len(self.kv_cache) else 0
+        while self._copies and self._copies[0][0] <= upto:
+            _, saves, loads = self._copies.popleft()
+            if len(saves):
+                self.host_kv[saves[:, 1]] = self.kv_cache[saves[:, 0]]
+                self._stats["saved_bytes"] += len(saves) * block_bytes
+            if len(loads):
+                t0 = time.perf_counter()
+                self.kv_cache[loads[:, 1]] = self.host_kv[loads[:, 0]]
+                self._stats["restore_seconds"] += time.perf_counter() - t0
+                self._stats["restored_bytes"] += len(loads) * block_bytes
+    # ---- validation: what _engine checks (plan.cu), so that a bad step fails alike on both backends ----
+    def _check(self, s: StepInput) -> np.ndarray:
+        T, B, S = len(s.input_ids), len(s.context_lens), len(s.sample_idx)
+        qsl, bt = np.asarray(s.query_start_loc), np.asarray(s.block_tables)
+        if len(s.positions) != T or len(s.slot_mapping) != T or len(qsl) != B + 1 or bt.ndim != 2 \
+                or bt.shape[0] != B or qsl[0] != 0 or qsl[-1] != T or (np.diff(qsl) < 1).any() \
+                or any(len(a) != S for a in (s.temperature, s.top_p, s.top_k, s.seeds)):
+            raise ValueError("step: inconsistent array lengths")
+        if S and ((s.sample_idx < 0).any() or (s.sample_idx >= T).any()):
+            raise ValueError("step: sample_idx out of range")
+        ids = np.array(s.input_ids, dtype=np.int32)
+        if s.prev_rows is not None:
+            prev = np.asarray(s.prev_rows)
+            fed = np.flatnonzero(prev >= 0)
+            # the CUDA engine's rules: a step launched before, fed rows are one token at their own index
+            if len(prev) != B or self._last is None or (prev >= len(self._last.tokens)).any() or (prev < -1).any() \
+                    or (qsl[fed] != fed).any() or (qsl[fed + 1] != fed + 1).any():
+                raise ValueError("prev_rows: fed rows must be one token at their own index, from a step launched before")
+            ids[fed] = self._last.tokens[prev[fed]]
+        L = self.cfg.num_hidden_layers
+        taps = np.asarray(s.tap_layers)
+        if len(taps) and ((taps < 0).any() or (taps >= L).any() or len(set(taps.tolist())) != len(taps)):
+            raise ValueError("step: tap layer out of range or repeated")
+        rows = np.asarray(s.tap_rows)
+        if len(rows) and (not len(taps) or (rows < 0).any() or (rows >= T).any()):
+            raise ValueError("step: tap rows out of range (or no tap layers)")
+        for name, pairs, dev_col in (("kv_save", s.kv_save, 0), ("kv_load", s.kv_load, 1)):
+            pairs = np.asarray(pairs)
+            if not len(pairs):
+                continue
+            if not self.num_host_blocks:
+                raise ValueError(f"step: {name} without a host KV tier")
+            dev, host = pairs[:, dev_col], pairs[:, 1 - dev_col]
+            if (dev < 1).any() or (dev >= self.num_kv_blocks).any() or (host < 0).any() \
+                    or (host >= self.num_host_blocks).any():
+                raise ValueError(f"step: {name} block out of range")
+        if s.verify:
+            seq = np.searchsorted(qsl, s.sample_idx, side="right") - 1
+            if (np.diff(s.sample_idx) < 1).any() or ((np.diff(seq) == 0) & (np.diff(s.sample_idx) != 1)).any():
+                raise ValueError("verify: a sequence's sampled rows must be consecutive tokens, in order")
+        return ids
+
+    def _run(self, s: StepInput, ids: np.ndarray) -> StepOutput:
+        taps = np.asarray(s.tap_layers)
+        hidden, tapped = self._forward(ids, s.positions, s.query_start_loc, s.context_lens, s.block_tables,
+                                       s.slot_mapping, s.sample_idx, taps, np.asarray(s.tap_rows))
         logits = hidden @ self.lm_head.T  # [S, V], only rows that sample
-        tokens = ops.sample(logits, temperature, top_p, top_k, seeds, positions[sample_idx])
+        tokens = ops.sample(logits, s.temperature, s.top_p, s.top_k, s.seeds, s.positions[s.sample_idx])
         lp = ops.log_softmax(logits)
         out = StepOutput(tokens=tokens, logprobs=lp[np.arange(len(tokens)), tokens].astype(F32))
-        if num_logprobs > 0:
-            out.top_ids, out.top_logprobs = ops.top_logprobs(lp, num_logprobs)
-        if return_logits:
+        if s.num_logprobs > 0:
+            out.top_ids, out.top_logprobs = ops.top_logprobs(lp, s.num_logprobs)
+        if s.return_logits:
             out.logits = logits
-        self._last = out
+        if s.verify:
+            out.accepted = accepted_counts(ids, s.query_start_loc, s.sample_idx, tokens)
+        if len(s.tap_rows):
+            out.hidden = tapped
         return out
 
-    def _forward(self, input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx):
+    def _forward(self, input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx,
+                 tap_layers=(), tap_rows=()):
         c, w = self.cfg, self.w
         T, eps = len(input_ids), c.rms_norm_eps
         h = self.embed[input_ids]
         residual = None
+        slot_of = {int(l): k for k, l in enumerate(tap_layers)}
+        tapped = np.zeros((len(tap_rows), len(tap_layers), c.hidden_size), F32)
         for i in range(c.num_hidden_layers):
             p = f"model.layers.{i}."
             if residual is None:
@@ -94,10 +175,27 @@ class ReferenceBackend:
             x, residual = ops.add_rmsnorm(h, residual, w[p + "post_attention_layernorm.weight"], eps)
             h = ops.silu_mul(x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T) \
                 @ w[p + "mlp.down_proj.weight"].T
-        return ops.rmsnorm((h + residual)[sample_idx], w["model.norm.weight"], eps)
+            if i in slot_of and len(tap_rows):  # the residual stream after layer i (HF hidden_states[i + 1])
+                tapped[:, slot_of[i]] = (h + residual)[tap_rows]
+        return ops.rmsnorm((h + residual)[sample_idx], w["model.norm.weight"], eps), tapped
 
     def dense_forward(self, token_ids) -> np.ndarray:
         return dense_forward(self.cfg, self.w, token_ids)
+
+
+def accepted_counts(ids, query_start_loc, sample_idx, tokens) -> np.ndarray:
+    """Verify steps: per sequence, 1 + the drafts (the token after each sampled row's) that its sampled
+    tokens match in order before the first mismatch; 0 for a sequence without sampled rows."""
+    qsl = np.asarray(query_start_loc)
+    seq = np.searchsorted(qsl, sample_idx, side="right") - 1
+    out = np.zeros(len(qsl) - 1, np.int32)
+    for b in range(len(out)):
+        rows = np.flatnonzero(seq == b)
+        n = 1 if len(rows) else 0
+        while n < len(rows) and tokens[rows[n - 1]] == ids[sample_idx[rows[n - 1]] + 1]:
+            n += 1
+        out[b] = n
+    return out
 
 
 def dense_forward(cfg: ModelConfig, weights: dict[str, np.ndarray], token_ids) -> np.ndarray:

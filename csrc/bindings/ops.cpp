@@ -1,0 +1,230 @@
+// Kernel test ops: host arrays in, one kernel (or launcher) on the GPU, host arrays out (bf16 as uint16),
+// so that tests/test_gpu_kernels.py checks each kernel family against the NumPy reference.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "../engine/plan.h"
+#include "../gemm/gemm.h"
+#include "../kernels/attention.cuh"
+#include "../kernels/elementwise.cuh"
+#include "../kernels/gemv.cuh"
+#include "../kernels/launch.cuh"
+#include "../kernels/persistent.cuh"
+#include "../kernels/random_init.cuh"
+#include "../kernels/rope_kv.cuh"
+#include "../kernels/sampling.cuh"
+
+namespace py = pybind11;
+using namespace oi;
+
+namespace {
+
+template <typename T>
+using Arr = py::array_t<T, py::array::c_style | py::array::forcecast>;
+
+// RAII device buffer.
+struct Dev {
+  void* p = nullptr;
+  size_t n = 0;
+  explicit Dev(size_t bytes) : n(bytes) { OI_CUDA_CHECK(cudaMalloc(&p, std::max<size_t>(bytes, 16))); }
+  template <typename T>
+  Dev(const Arr<T>& a) : Dev(a.size() * sizeof(T)) { OI_CUDA_CHECK(cudaMemcpy(p, a.data(), n, cudaMemcpyHostToDevice)); }
+  ~Dev() { cudaFree(p); }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+  template <typename T>
+  py::array_t<T> get(std::vector<py::ssize_t> shape) const {
+    py::array_t<T> out(shape);
+    OI_CUDA_CHECK(cudaMemcpy(out.mutable_data(), p, out.size() * sizeof(T), cudaMemcpyDeviceToHost));
+    return out;
+  }
+};
+
+Gemm& ops_gemm() {
+  static std::unique_ptr<Gemm> g;
+  if (!g) g = std::make_unique<Gemm>("");
+  return *g;
+}
+
+GemvKernel gemv_kernel(int k) {
+  OI_CHECK(k >= 0 && k <= 3, "gemv kernel " << k << " (0 auto, 1 CUDA cores, 2 CUDA cores with bf16 input, 3 tensor cores)");
+  return (GemvKernel)k;
+}
+
+}  // namespace
+
+void bind_ops(py::module_& m) {
+  py::module_ ops = m.def_submodule("ops", "single kernels on host arrays, for tests");
+  ops.def("gemv_takes_tensor_cores", [](int M, int K, int in_mode, int out_mode, int kernel) {
+    return gemv_takes_tensor_cores(M, K, (GemvIn)in_mode, (GemvOut)out_mode, gemv_kernel(kernel));
+  }, py::arg("M"), py::arg("K"), py::arg("in_mode"), py::arg("out_mode"), py::arg("kernel") = 0,
+     "whether the fused GEMV takes the tensor-core kernel for M rows, K, the prologue/epilogue and kernel choice");
+  ops.def("persistent_fits", [](int hidden, int intermediate, int heads, int kv_heads, int head_dim) {
+    return persistent_fits(hidden, intermediate, heads, kv_heads, head_dim);
+  }, "whether persistent_layers() serves this geometry on the current device");
+  ops.def("attention_launch_shape", [](int num_work, int max_rows, int num_splits, bool key_warps, int cluster_cap) {
+    const AttnLaunch l = attn_launch_shape(num_work, max_rows, num_splits, AttnVariant{key_warps, cluster_cap});
+    return py::dict(py::arg("key_warps") = l.key_warps, py::arg("early") = l.early, py::arg("splits") = l.splits,
+                    py::arg("cluster") = l.cluster);
+  }, py::arg("num_work"), py::arg("max_rows"), py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0,
+     "how paged_attention launches for these counts and variant: key_warps, early, splits (launched), cluster");
+  ops.def("set_pdl", [](bool on) { pdl_enabled() = on; },
+          "programmatic dependent launch for this thread's later launches and captures (engines set it too)");
+  ops.def("rmsnorm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, float eps) {
+    const int H = (int)w.size(), T = (int)(x.size() / H);
+    Dev dx(x), dw(w), dout(x.size() * 2);
+    rmsnorm(dx.as<bf16>(), dw.as<bf16>(), dout.as<bf16>(), T, H, eps, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, H});
+  });
+  ops.def("silu_mul", [](const Arr<uint16_t>& gu, int I) {
+    const int T = (int)(gu.size() / (2 * I));
+    Dev dg(gu), dout((size_t)T * I * 2);
+    silu_mul(dg.as<bf16>(), dout.as<bf16>(), T, I, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, I});
+  });
+  ops.def("embedding", [](const Arr<uint16_t>& table, const Arr<int32_t>& ids, int H) {
+    const int T = (int)ids.size();
+    Dev dt(table), di(ids), dout((size_t)T * H * 2);
+    embedding_lookup(dt.as<bf16>(), di.as<int32_t>(), dout.as<bf16>(), T, H, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return dout.get<uint16_t>({T, H});
+  });
+  ops.def("gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init, bool out_f32) {
+    const size_t ob = (size_t)M * N * (out_f32 ? 4 : 2);
+    Dev dx(x), dw(w), dy(ob);
+    const bool acc = !y_init.is_none();
+    if (acc) {
+      py::array a = y_init.cast<py::array>();
+      if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemm: y_init has the wrong size");
+      OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
+    }
+    ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    if (out_f32) return py::array(dy.get<float>({M, N}));
+    return py::array(dy.get<uint16_t>({M, N}));
+  });
+  ops.def("gemv", [](const Arr<uint16_t>& x, py::object norm_w, const Arr<uint16_t>& w, int M, int N, int K, int in_mode,
+                     int out_mode, py::object y_init, float eps, int kernel) {
+    const bool f32out = out_mode == (int)GemvOut::kF32;
+    const int ncols = out_mode == (int)GemvOut::kSiluMul ? N / 2 : N;
+    const size_t ob = (size_t)M * ncols * (f32out ? 4 : 2);
+    Dev dx(x), dw(w), dy(ob);
+    std::unique_ptr<Dev> dn;
+    if (!norm_w.is_none()) dn = std::make_unique<Dev>(norm_w.cast<Arr<uint16_t>>());
+    if (!y_init.is_none()) {
+      py::array a = y_init.cast<py::array>();
+      if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemv: y_init has the wrong size");
+      OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
+    }
+    cudaDeviceProp prop{};
+    OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+    GemvArgs g{dx.as<bf16>(), dn ? dn->as<bf16>() : nullptr, eps, dw.as<bf16>(), dy.p, M, N, K, gemv_kernel(kernel)};
+    const bool ran = gemv(g, (GemvIn)in_mode, (GemvOut)out_mode, prop.multiProcessorCount, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    if (!ran) return py::object(py::none());
+    if (f32out) return py::object(dy.get<float>({M, ncols}));
+    return py::object(dy.get<uint16_t>({M, ncols}));
+  }, py::arg("x"), py::arg("norm_w"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("in_mode"),
+     py::arg("out_mode"), py::arg("y_init"), py::arg("eps"), py::arg("kernel") = 0,
+     "the fused GEMV (None where it refuses the shape); kernel: 0 auto, 1 CUDA cores, 2 CUDA cores with bf16 input, 3 tensor cores");
+  ops.def("qk_norm_rope_kv_write",
+          [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& qw, const Arr<uint16_t>& kw, const Arr<int32_t>& positions,
+             const Arr<int32_t>& slots, const Arr<uint16_t>& cache, int layer, int num_layers, int num_heads,
+             int num_kv_heads, double theta, float eps, int max_pos) {
+            const int T = (int)positions.size(), D = 128;
+            KvLayout kv{num_layers, num_kv_heads, 16, D};
+            Dev dq(qkv), dqw(qw), dkw(kw), dp(positions), ds(slots), dc(cache);
+            Dev rope((size_t)max_pos * (D / 2) * sizeof(float2));
+            rope_table_init(rope.as<float2>(), max_pos, D, theta, 0);
+            qk_norm_rope_kv_write(dq.as<bf16>(), dqw.as<bf16>(), dkw.as<bf16>(), dp.as<int32_t>(), ds.as<int32_t>(),
+                                  rope.as<float2>(), dc.as<bf16>(), layer, kv, T, num_heads, eps, 0);
+            OI_CUDA_CHECK(cudaDeviceSynchronize());
+            return py::make_tuple(dq.get<uint16_t>({T, (py::ssize_t)(qkv.size() / std::max(T, 1))}),
+                                  dc.get<uint16_t>({(py::ssize_t)cache.size()}));
+          });
+  ops.def("paged_attention",
+          [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& cache, const Arr<int32_t>& block_tables,
+             const Arr<int32_t>& qsl, const Arr<int32_t>& context_lens, const Arr<int32_t>& positions, int layer,
+             int num_layers, int num_heads, int num_kv_heads, int num_splits, bool key_warps, int cluster_cap) {
+            const int T = (int)positions.size(), B = (int)context_lens.size(), D = 128;
+            if (qsl.size() != B + 1) throw std::invalid_argument("paged_attention: query_start_loc must have B + 1 entries");
+            const AttnVariant variant{key_warps, cluster_cap};
+            int max_rows = 1, max_ctx = 0;
+            const std::vector<AttnWork> work = attention_work(qsl.data(), B, num_heads / num_kv_heads, &max_rows);
+            for (int b = 0; b < B; ++b) max_ctx = std::max(max_ctx, context_lens.at(b));
+            cudaDeviceProp prop{};
+            OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+            const int max_split_rows = 1 << 16;
+            if (num_splits <= 0)
+              num_splits = attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T, prop.multiProcessorCount,
+                                           max_split_rows, max_rows, variant);
+            Dev dq(qkv), dc(cache), dbt(block_tables), dpos(positions), dctx(context_lens);
+            Dev dwork(work.size() * sizeof(AttnWork)), dout((size_t)T * num_heads * D * 2);
+            Dev dwo((size_t)num_splits * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
+            Dev dcnt(work.size() * num_kv_heads * sizeof(int));
+            OI_CUDA_CHECK(cudaMemset(dcnt.p, 0, work.size() * num_kv_heads * sizeof(int)));
+            OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
+            AttnArgs a{};
+            a.q = dq.as<bf16>();
+            a.q_stride = (int)(qkv.size() / std::max(T, 1));
+            a.kv_cache = dc.as<bf16>();
+            a.kv = KvLayout{num_layers, num_kv_heads, 16, D};
+            a.layer = layer;
+            a.block_tables = dbt.as<int32_t>();
+            a.bt_stride = block_tables.ndim() == 2 ? (int)block_tables.shape(1) : (int)block_tables.size();
+            a.positions = dpos.as<int32_t>();
+            a.context_lens = dctx.as<int32_t>();
+            a.work = dwork.as<AttnWork>();
+            a.num_work = (int)work.size();
+            a.num_tokens = T;
+            a.num_heads = num_heads;
+            a.num_splits = num_splits;
+            a.max_rows = max_rows;
+            a.out = dout.as<bf16>();
+            a.ws_o = dwo.as<float>();
+            a.ws_lse = dwl.as<float>();
+            a.counters = dcnt.as<int>();
+            a.variant = variant;
+            paged_attention(a, 0);
+            OI_CUDA_CHECK(cudaDeviceSynchronize());
+            std::vector<int> cnt(work.size() * num_kv_heads);
+            OI_CUDA_CHECK(cudaMemcpy(cnt.data(), dcnt.p, cnt.size() * sizeof(int), cudaMemcpyDeviceToHost));
+            for (int v : cnt) OI_CHECK(v == 0, "paged_attention left a split counter at " << v);
+            return py::make_tuple(dout.get<uint16_t>({T, num_heads * D}), num_splits);
+          },
+          py::arg("qkv"), py::arg("cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
+          py::arg("positions"), py::arg("layer"), py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"),
+          py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0,
+          "(out, splits used); num_splits <= 0: the launch heuristic; key_warps False: one-warp decode blocks; "
+          "cluster_cap > 0: decode clusters of at most that many blocks");
+  ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
+                       const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,
+                       int num_logprobs) {
+    const int S = (int)temperature.size(), V = (int)(logits.size() / std::max(S, 1));
+    Dev dl(logits), dt(temperature), dp(top_p), dk(top_k), ds(seeds), dpos(positions);
+    Dev tok((size_t)S * 4), lp((size_t)S * 4), tid((size_t)S * num_logprobs * 4), tlp((size_t)S * num_logprobs * 4);
+    SampleArgs a{};
+    a.logits = dl.as<float>(); a.num_rows = S; a.vocab = V;
+    a.temperature = dt.as<float>(); a.top_p = dp.as<float>(); a.top_k = dk.as<int32_t>(); a.seeds = ds.as<uint64_t>();
+    a.positions = dpos.as<int32_t>(); a.num_logprobs = num_logprobs;
+    a.tokens = tok.as<int32_t>(); a.logprobs = lp.as<float>(); a.top_ids = tid.as<int32_t>(); a.top_logprobs = tlp.as<float>();
+    sample(a, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return py::make_tuple(tok.get<int32_t>({S}), lp.get<float>({S}), tid.get<int32_t>({S, num_logprobs}),
+                          tlp.get<float>({S, num_logprobs}));
+  });
+  ops.def("fill_normal_stats", [](int64_t n, uint64_t seed, float mean, float std) {
+    // For the random-load test: moments of the GPU generator.
+    Dev d((size_t)n * 2);
+    fill_normal(d.as<bf16>(), n, seed, mean, std, 0);
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return d.get<uint16_t>({(py::ssize_t)n});
+  });
+
+}

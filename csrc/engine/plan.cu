@@ -1,0 +1,119 @@
+#include <algorithm>
+#include <cmath>
+
+#include "../kernels/sampling.cuh"
+#include "plan.h"
+
+namespace oi {
+
+#define OI_INPUT_CHECK(cond, msg)                 \
+  do {                                            \
+    if (!(cond)) {                                \
+      std::ostringstream oi_os_;                  \
+      oi_os_ << "step: " << msg;                  \
+      throw std::invalid_argument(oi_os_.str());  \
+    }                                             \
+  } while (0)
+
+std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows) {
+  const int qt = attn_tokens_per_item(group);
+  std::vector<AttnWork> work;
+  work.reserve(query_start_loc[B] / qt + B + 1);
+  *max_rows = 1;
+  for (int b = 0; b < B; ++b)
+    for (int t0 = query_start_loc[b]; t0 < query_start_loc[b + 1]; t0 += qt) {
+      const int n = std::min(qt, query_start_loc[b + 1] - t0);
+      work.push_back(AttnWork{b, t0, n, 0});
+      *max_rows = std::max(*max_rows, n * group);
+    }
+  return work;
+}
+
+namespace {
+
+void check_copies(const int32_t* pairs, int64_t n, bool save, const StepLimits& lim) {
+  const char* name = save ? "kv_save" : "kv_load";
+  OI_INPUT_CHECK(n == 0 || lim.num_host_blocks > 0, name << " without a host KV tier");
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t dev = pairs[2 * i + (save ? 0 : 1)], host = pairs[2 * i + (save ? 1 : 0)];
+    OI_INPUT_CHECK(dev >= 1 && dev < lim.num_blocks, name << "[" << i << "]: device block " << dev << " out of range");
+    OI_INPUT_CHECK(host >= 0 && host < lim.num_host_blocks, name << "[" << i << "]: host slot " << host << " out of range");
+  }
+}
+
+}  // namespace
+
+StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& lim, const AttnVariant& v) {
+  const int T = in.T(), B = in.B(), S = in.S();
+  OI_INPUT_CHECK(T >= 1 && T <= lim.max_num_tokens, T << " tokens (1.." << lim.max_num_tokens << ")");
+  OI_INPUT_CHECK(B >= 1 && B <= lim.max_num_seqs, B << " sequences (1.." << lim.max_num_seqs << ")");
+  // sampled rows share the buffers of max_num_seqs rows (a verify step has several per sequence)
+  OI_INPUT_CHECK(S >= 0 && S <= lim.max_num_seqs, S << " sampled rows (0.." << lim.max_num_seqs << ")");
+  OI_INPUT_CHECK(in.num_logprobs >= 0 && in.num_logprobs <= kMaxLogprobs, "num_logprobs " << in.num_logprobs);
+  OI_INPUT_CHECK(in.bt_stride >= 1 && in.bt_stride <= (lim.max_model_len + lim.block_size - 1) / lim.block_size,
+                 "block table width " << in.bt_stride);
+  const int32_t* qsl = in.query_start_loc;
+  OI_INPUT_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
+  const int group = d.heads / d.kv_heads;
+  const int64_t max_slot = lim.num_blocks * lim.block_size;
+  StepPlan p;
+  for (int b = 0; b < B; ++b) {
+    const int s0 = qsl[b], s1 = qsl[b + 1];
+    OI_INPUT_CHECK(s1 > s0, "sequence " << b << " has no tokens");
+    const int ctx = in.context_lens[b];
+    OI_INPUT_CHECK(ctx >= s1 - s0 && ctx <= lim.max_model_len && ctx <= in.bt_stride * lim.block_size,
+                   "context_lens[" << b << "] = " << ctx << " is inconsistent");
+    OI_INPUT_CHECK(in.positions[s1 - 1] == ctx - 1, "last position of sequence " << b << " must be context_len - 1");
+    const int nb = (ctx + lim.block_size - 1) / lim.block_size;
+    for (int j = 0; j < nb; ++j) {
+      const int blk = in.block_tables[(int64_t)b * in.bt_stride + j];
+      OI_INPUT_CHECK(blk >= 0 && blk < lim.num_blocks, "block id " << blk << " out of range");
+    }
+    p.max_ctx = std::max(p.max_ctx, ctx);
+  }
+  p.work = attention_work(qsl, B, group, &p.max_rows);
+  p.num_splits = attn_num_splits((int)p.work.size(), d.kv_heads, p.max_ctx, T, lim.num_sms, lim.max_split_rows,
+                                 p.max_rows, v);
+  for (int t = 0; t < T; ++t) {
+    const bool fed = in.prev_rows && t < B && in.prev_rows[t] >= 0;  // comes from the previous step's output
+    OI_INPUT_CHECK(fed || (in.input_ids[t] >= 0 && in.input_ids[t] < d.vocab), "token id " << in.input_ids[t] << " out of range");
+    OI_INPUT_CHECK(in.positions[t] >= 0 && in.positions[t] < lim.max_model_len, "position " << in.positions[t] << " out of range");
+    OI_INPUT_CHECK(in.slot_mapping[t] >= -1 && in.slot_mapping[t] < max_slot, "slot " << in.slot_mapping[t] << " out of range");
+  }
+  p.sample_pos.resize(S);
+  for (int r = 0; r < S; ++r) {
+    OI_INPUT_CHECK(in.sample_idx[r] >= 0 && in.sample_idx[r] < T, "sample_idx " << in.sample_idx[r] << " out of range");
+    OI_INPUT_CHECK(std::isfinite(in.temperature[r]) && in.top_p[r] > 0.f && in.top_p[r] <= 1.f, "bad sampling parameters in row " << r);
+    p.sample_pos[r] = in.positions[in.sample_idx[r]];
+  }
+  if (in.verify) {
+    // Sampled rows in token order; a sequence's rows on consecutive tokens (the verify of [anchor, d1..dk]).
+    p.seq_rows.assign(B + 1, S);
+    int r = 0;
+    for (int b = 0; b < B; ++b) {
+      p.seq_rows[b] = r;
+      for (; r < S && in.sample_idx[r] < qsl[b + 1]; ++r) {
+        OI_INPUT_CHECK(in.sample_idx[r] >= qsl[b], "verify: sample_idx must be in token order");
+        OI_INPUT_CHECK(r == p.seq_rows[b] || in.sample_idx[r] == in.sample_idx[r - 1] + 1,
+                       "verify: sequence " << b << "'s sampled rows must be consecutive tokens");
+      }
+    }
+    OI_INPUT_CHECK(r == S, "verify: sample_idx must be in token order");
+  }
+  if (in.n_tap_layers > 0) {
+    p.tap_slot.assign(d.layers, -1);
+    for (int64_t i = 0; i < in.n_tap_layers; ++i) {
+      const int l = in.tap_layers[i];
+      OI_INPUT_CHECK(l >= 0 && l < d.layers && p.tap_slot[l] < 0, "tap layer " << l << " out of range or repeated");
+      p.tap_slot[l] = (int)i;
+    }
+  }
+  OI_INPUT_CHECK(in.n_tap_rows == 0 || in.n_tap_layers > 0, "tap_rows without tap_layers");
+  for (int64_t i = 0; i < in.n_tap_rows; ++i)
+    OI_INPUT_CHECK(in.tap_rows[i] >= 0 && in.tap_rows[i] < T, "tap row " << in.tap_rows[i] << " out of range");
+  check_copies(in.kv_save, in.n_kv_save, true, lim);
+  check_copies(in.kv_load, in.n_kv_load, false, lim);
+  return p;
+}
+
+}  // namespace oi

@@ -1,0 +1,32 @@
+// A step's validation and plan: every input a client could influence is range-checked here, on the host,
+// before any device work (std::invalid_argument, ValueError in Python); then the attention work items
+// and split count the forward uses. The kernel test ops plan their attention through the same functions.
+#pragma once
+#include <vector>
+
+#include "../kernels/attention.cuh"
+#include "../model/qwen3.h"
+#include "step.h"
+
+namespace oi {
+
+struct StepLimits {
+  int max_num_tokens, max_num_seqs, max_model_len, block_size, num_sms, max_split_rows;
+  int64_t num_blocks, num_host_blocks;
+};
+
+struct StepPlan {
+  std::vector<AttnWork> work;
+  std::vector<int32_t> sample_pos;  // [S] position of each sampled row
+  std::vector<int32_t> seq_rows;    // verify: [B + 1] first sampled row of each sequence
+  std::vector<int> tap_slot;        // [layers] index among tap_layers, or -1; empty without taps
+  int max_ctx = 0, max_rows = 1, num_splits = 1;
+};
+
+// Attention work items of a step: each sequence's tokens in items of up to attn_tokens_per_item(group).
+// max_rows gets the most query rows (tokens x group) of one item.
+std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows);
+
+StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& lim, const AttnVariant& v);
+
+}  // namespace oi
