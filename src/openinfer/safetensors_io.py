@@ -1,6 +1,11 @@
 """Minimal safetensors reader (memory-mapped) and writer, with bf16 <-> fp32 helpers.
 
 NumPy has no bfloat16: BF16 tensors are read and written as uint16 arrays holding the raw bits.
+Why not the `safetensors` package: its NumPy API cannot return BF16 (`get_tensor` raises
+TypeError, safetensors 0.8) and returns other dtypes as copies, while the loader passes each weight
+to `_engine.Engine.load_tensor` as a uint16 view of the memory-mapped file, with no copy on the host.
+So the runtime does not depend on it; tests/test_checkpoint.py uses it to cross-check this module.
+
 Format: 8-byte little-endian header length N, N bytes of JSON header
 {name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, then the data.
 """
