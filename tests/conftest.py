@@ -9,6 +9,7 @@ import pytest
 from openinfer.config import ModelConfig
 from openinfer.loader import load_weights_fp32
 from openinfer.reference import ReferenceBackend
+from openinfer.step import StepInput
 from openinfer.tokenizer import Tokenizer
 from openinfer.tools.random_checkpoint import hf_config, write_checkpoint
 
@@ -39,14 +40,15 @@ def tokenizer(tiny_dir) -> Tokenizer:
 
 @pytest.fixture
 def make_backend(tiny_cfg, tiny_weights):
-    def make(num_blocks: int = 64) -> ReferenceBackend:
-        return ReferenceBackend(tiny_cfg, tiny_weights, num_blocks=num_blocks, block_size=16)
+    def make(num_blocks: int = 64, **kw) -> ReferenceBackend:
+        return ReferenceBackend(tiny_cfg, tiny_weights, num_blocks=num_blocks, block_size=16, **kw)
     return make
 
 
-def step_args(seqs, block_size=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, sample=None):
-    """Backend step() arguments for sequences given as (token_ids_of_this_step, start_pos, block_table).
-    Every sequence samples at its last token unless `sample` (a list of bools) says otherwise."""
+def step_input(seqs, block_size=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, sample=None, **fields) -> StepInput:
+    """A StepInput for sequences given as (token_ids_of_this_step, start_pos, block_table); `fields` set
+    the rest (num_logprobs, return_logits, ...). Every sequence samples at its last token unless
+    `sample` (a list of bools) says otherwise."""
     ids, pos, qsl, slots, ctx = [], [], [0], [], []
     width = max(len(t) for _, _, t in seqs)
     tables = np.zeros((len(seqs), width), dtype=np.int32)
@@ -61,8 +63,8 @@ def step_args(seqs, block_size=16, temperature=0.0, top_p=1.0, top_k=0, seed=0, 
     sample = [True] * len(seqs) if sample is None else sample
     sidx = np.array([qsl[b + 1] - 1 for b in range(len(seqs)) if sample[b]], dtype=np.int32)
     S = len(sidx)
-    return dict(input_ids=np.array(ids, np.int32), positions=np.array(pos, np.int32),
-                query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32),
-                block_tables=tables, slot_mapping=np.array(slots, np.int32), sample_idx=sidx,
-                temperature=np.full(S, temperature, np.float32), top_p=np.full(S, top_p, np.float32),
-                top_k=np.full(S, top_k, np.int32), seeds=np.full(S, seed, np.uint64))
+    return StepInput(input_ids=np.array(ids, np.int32), positions=np.array(pos, np.int32),
+                     query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32),
+                     block_tables=tables, slot_mapping=np.array(slots, np.int32), sample_idx=sidx,
+                     temperature=np.full(S, temperature, np.float32), top_p=np.full(S, top_p, np.float32),
+                     top_k=np.full(S, top_k, np.int32), seeds=np.full(S, seed, np.uint64), **fields)

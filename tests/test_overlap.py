@@ -1,12 +1,15 @@
 """Overlapped steps: step N+1 (decode rows, prompt chunks, admissions) launched before step N's tokens
 reach the host (fed on the device). Outputs must equal the synchronous loop's in every finish path,
 and no KV block may leak."""
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from openinfer import Engine, EngineConfig, LLMEngine, SamplingParams
 from openinfer.block_manager import BlockManager
-from openinfer.runner import Runner
+from openinfer.runner import pack
+from openinfer.step import StepInput
 from openinfer.scheduler import ScheduledBatch, Scheduler
 
 PROMPTS = ["The capital of France is", "def f(x):", "1, 2, 3,", "Hello world, here is a longer prompt that spans "
@@ -139,7 +142,7 @@ def _decode_batch(sched, rows):
     for i, n in enumerate(rows):
         seq = sched.add_request(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=3), seed=0)
         sched.waiting.remove(seq)
-        assert sched._admit(seq)
+        assert sched._admit(seq, batch)
         while len(seq.block_table) * 16 < n:
             seq.block_table.append(sched.bm.allocate())
         seq.num_computed = n - 1
@@ -148,32 +151,32 @@ def _decode_batch(sched, rows):
     return batch
 
 
-def test_schedule_next_policy(tokenizer):
+def test_schedule_after_prev_policy(tokenizer):
     sched, bm = _sched(tokenizer)
     prev = _decode_batch(sched, [16, 5])  # row 0 computes position 15: its next position opens block 2
-    nxt = sched.schedule_next(prev)
+    nxt = sched.schedule(prev)
     assert [(it.start, it.num_tokens, it.feed_row) for it in nxt.items] == [(16, 1, 0), (5, 1, 1)]
     assert len(prev.items[0].seq.block_table) == 2 and len(prev.items[1].seq.block_table) == 1
     # a sequence whose pending token reaches max_len gets no row
     prev.items[1].seq.token_ids += [7, 7]  # 5 prompt + 2 outputs: the pending third ends it by length
-    assert [it.feed_row for it in sched.schedule_next(nxt).items] == [0]
+    assert [it.feed_row for it in sched.schedule(nxt).items] == [0]
     # an admissible waiting request joins the step launched behind the running one, after the fed rows
     sched.add_request("w", [1, 2, 3], SamplingParams(max_tokens=2), seed=0)
-    both = sched.schedule_next(prev)
+    both = sched.schedule(prev)
     assert [(it.start, it.num_tokens, it.feed_row, it.sample) for it in both.items] == \
         [(16, 1, 0, True), (0, 3, -1, True)]
     assert not sched.waiting
 
 
-def test_schedule_next_leaves_a_request_that_cannot_fit_waiting(tokenizer):
+def test_schedule_after_prev_leaves_a_request_that_cannot_fit_waiting(tokenizer):
     sched, bm = _sched(tokenizer, num_blocks=6)
     prev = _decode_batch(sched, [3])
     sched.add_request("big", list(range(1, 60)), SamplingParams(max_tokens=20), seed=0)  # 5 blocks: no room now
-    nxt = sched.schedule_next(prev)
+    nxt = sched.schedule(prev)
     assert [it.feed_row for it in nxt.items] == [0] and len(sched.waiting) == 1
 
 
-def test_schedule_next_continues_prompt_chunks(tokenizer):
+def test_schedule_after_prev_continues_prompt_chunks(tokenizer):
     """A chunk that leaves prompt tokens is followed by the next chunk (tokens from the host); the
     chunk that ends the prompt samples, and its token is fed into the next step's row."""
     from openinfer.scheduler import ScheduledSeq
@@ -182,14 +185,14 @@ def test_schedule_next_continues_prompt_chunks(tokenizer):
     seq = sched.add_request("p", list(range(1, 21)), SamplingParams(max_tokens=4), seed=0)  # 20 prompt tokens
     first = sched.schedule()
     assert [(it.start, it.num_tokens, it.sample) for it in first.items] == [(0, 8, False)]
-    second = sched.schedule_next(first)
+    second = sched.schedule(first)
     assert [(it.start, it.num_tokens, it.sample, it.feed_row) for it in second.items] == [(8, 8, False, -1)]
-    third = sched.schedule_next(second)
+    third = sched.schedule(second)
     assert [(it.start, it.num_tokens, it.sample) for it in third.items] == [(16, 4, True)]
-    fourth = sched.schedule_next(third)
+    fourth = sched.schedule(third)
     assert [(it.start, it.num_tokens, it.feed_row) for it in fourth.items] == [(20, 1, 0)]
-    args = Runner.pack(third, 16)
-    assert list(args["input_ids"]) == list(range(17, 21)) and "prev_rows" not in args
+    args = pack(third, 16)
+    assert list(args.input_ids) == list(range(17, 21)) and args.prev_rows is None
     assert len(seq.block_table) == 2
 
 
@@ -197,10 +200,10 @@ def test_pack_feeds_rows(tokenizer):
     sched, bm = _sched(tokenizer)
     prev = _decode_batch(sched, [4, 9])
     sched.add_request("w", [5, 6, 7], SamplingParams(max_tokens=2), seed=0)
-    args = Runner.pack(sched.schedule_next(prev), 16)
-    assert list(args["prev_rows"]) == [0, 1, -1] and list(args["input_ids"]) == [0, 0, 5, 6, 7]
-    assert list(args["positions"]) == [4, 9, 0, 1, 2] and list(args["query_start_loc"]) == [0, 1, 2, 5]
-    assert "prev_rows" not in Runner.pack(prev, 16)
+    args = pack(sched.schedule(prev), 16)
+    assert list(args.prev_rows) == [0, 1, -1] and list(args.input_ids) == [0, 0, 5, 6, 7]
+    assert list(args.positions) == [4, 9, 0, 1, 2] and list(args.query_start_loc) == [0, 1, 2, 5]
+    assert pack(prev, 16).prev_rows is None
 
 
 def test_reference_backend_launch_contract(tiny_dir):
@@ -209,22 +212,22 @@ def test_reference_backend_launch_contract(tiny_dir):
     b = eng.backend
     one = dict(temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
                seeds=np.zeros(1, np.uint64))
-    prefill = dict(input_ids=np.array([5, 6, 7], np.int32), positions=np.arange(3, dtype=np.int32),
-                   query_start_loc=np.array([0, 3], np.int32), context_lens=np.array([3], np.int32),
-                   block_tables=np.array([[1]], np.int32), slot_mapping=np.array([16, 17, 18], np.int32),
-                   sample_idx=np.array([2], np.int32), **one)
-    decode = dict(input_ids=np.array([0], np.int32), positions=np.array([3], np.int32),
-                  query_start_loc=np.array([0, 1], np.int32), context_lens=np.array([4], np.int32),
-                  block_tables=np.array([[1]], np.int32), slot_mapping=np.array([19], np.int32),
-                  sample_idx=np.array([0], np.int32), **one)
-    first = b.step(**prefill)
-    b.launch(prev_rows=np.array([0], np.int32), **decode)  # fed from the prefill's sampled token
+    prefill = StepInput(input_ids=np.array([5, 6, 7], np.int32), positions=np.arange(3, dtype=np.int32),
+                        query_start_loc=np.array([0, 3], np.int32), context_lens=np.array([3], np.int32),
+                        block_tables=np.array([[1]], np.int32), slot_mapping=np.array([16, 17, 18], np.int32),
+                        sample_idx=np.array([2], np.int32), **one)
+    decode = StepInput(input_ids=np.array([0], np.int32), positions=np.array([3], np.int32),
+                       query_start_loc=np.array([0, 1], np.int32), context_lens=np.array([4], np.int32),
+                       block_tables=np.array([[1]], np.int32), slot_mapping=np.array([19], np.int32),
+                       sample_idx=np.array([0], np.int32), **one)
+    first = b.step(prefill)
+    b.launch(replace(decode, prev_rows=np.array([0], np.int32)))  # fed from the prefill's sampled token
     fed = b.collect()
-    assert fed.tokens[0] == b.step(**dict(decode, input_ids=first.tokens.astype(np.int32))).tokens[0]
+    assert fed.tokens[0] == b.step(replace(decode, input_ids=first.tokens.astype(np.int32))).tokens[0]
     with pytest.raises(ValueError, match="prev_rows"):  # row 0 is three tokens, not one
-        b.launch(prev_rows=np.array([0], np.int32), **prefill)
+        b.launch(replace(prefill, prev_rows=np.array([0], np.int32)))
     with pytest.raises(ValueError, match="prev_rows"):  # the previous step sampled one row
-        b.launch(prev_rows=np.array([1], np.int32), **decode)
+        b.launch(replace(decode, prev_rows=np.array([1], np.int32)))
 
 
 def _workload(seed, max_model_len, stop_pool):

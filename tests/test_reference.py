@@ -1,7 +1,7 @@
 """The paged reference step against the independent dense forward, and the paging contract."""
 import numpy as np
 import pytest
-from conftest import step_args
+from conftest import step_input
 
 from openinfer.reference import ops
 
@@ -11,7 +11,7 @@ PROMPT = [9707, 1879, 785, 6722, 315, 9625, 374, 11, 323, 279, 6722, 315, 9856, 
 
 
 def logits_of(be, seqs, **kw):
-    return be.step(**step_args(seqs, **kw), return_logits=True)
+    return be.step(step_input(seqs, return_logits=True, **kw))
 
 
 def test_prefill_and_decode_match_dense(make_backend):
@@ -31,13 +31,12 @@ def test_prefill_and_decode_match_dense(make_backend):
 def test_prefill_all_rows_match_dense(make_backend):
     be = make_backend(16)
     ids = PROMPT[:33]
-    args = step_args([(ids, 0, [1, 2, 3])])
-    args["sample_idx"] = np.arange(len(ids), dtype=np.int32)
+    args = step_input([(ids, 0, [1, 2, 3])], return_logits=True)
+    args.sample_idx = np.arange(len(ids), dtype=np.int32)
     S = len(ids)
-    for k in ("temperature", "top_p"):
-        args[k] = np.resize(args[k], S)
-    args["top_k"], args["seeds"] = np.resize(args["top_k"], S), np.resize(args["seeds"], S)
-    out = be.step(**args, return_logits=True)
+    for k in ("temperature", "top_p", "top_k", "seeds"):
+        setattr(args, k, np.resize(getattr(args, k), S))
+    out = be.step(args)
     np.testing.assert_allclose(out.logits, be.dense_forward(ids), rtol=RTOL, atol=ATOL)
 
 
@@ -80,9 +79,9 @@ def test_padding_rows_leave_cache_untouched(make_backend):
     be = make_backend(8)
     logits_of(be, [(PROMPT[:10], 0, [2])])
     before = be.kv_cache.copy()
-    args = step_args([([PROMPT[10]], 10, [2]), ([0, 0, 0], 0, [0])])  # a real decode row + 3 padding rows
-    args["slot_mapping"][1:] = -1
-    be.step(**args)
+    args = step_input([([PROMPT[10]], 10, [2]), ([0, 0, 0], 0, [0])])  # a real decode row + 3 padding rows
+    args.slot_mapping[1:] = -1
+    be.step(args)
     changed = np.argwhere((be.kv_cache != before).any(axis=(1, 2, 3, 5)))  # (block, offset) pairs
     assert changed.tolist() == [[2, 10]]  # every other slot, block 0 included, is bit-identical
     ref = make_backend(8)
@@ -90,16 +89,16 @@ def test_padding_rows_leave_cache_untouched(make_backend):
     logits_of(ref, [([PROMPT[10]], 10, [2])])
     # the real row's K/V equal a step without padding (up to GEMM-shape rounding)
     np.testing.assert_allclose(be.kv_cache, ref.kv_cache, rtol=RTOL, atol=ATOL)
-    args = step_args([([5, 6], 0, [0])])
-    args["slot_mapping"][:] = -1  # a step of padding rows only
+    args = step_input([([5, 6], 0, [0])])
+    args.slot_mapping[:] = -1  # a step of padding rows only
     snapshot = be.kv_cache.copy()
-    be.step(**args)
+    be.step(args)
     np.testing.assert_array_equal(be.kv_cache, snapshot)
 
 
 def test_step_logprobs(make_backend):
     be = make_backend(8)
-    out = be.step(**step_args([(PROMPT[:7], 0, [1])], temperature=0.7, seed=3), num_logprobs=5, return_logits=True)
+    out = be.step(step_input([(PROMPT[:7], 0, [1])], temperature=0.7, seed=3, num_logprobs=5, return_logits=True))
     lp = ops.log_softmax(out.logits[0].astype(np.float64))
     order = np.argsort(-lp, kind="stable")[:5]
     assert out.top_ids[0].tolist() == order.tolist()
@@ -109,9 +108,9 @@ def test_step_logprobs(make_backend):
 
 
 def test_sampled_tokens_independent_of_batch(make_backend):
-    a = make_backend(16).step(**step_args([(PROMPT[:9], 0, [1])], temperature=1.0, seed=42))
-    b = make_backend(16).step(**step_args([(PROMPT[2:30], 0, [3, 4]), (PROMPT[:9], 0, [1])],
-                                          temperature=1.0, seed=42))
+    a = make_backend(16).step(step_input([(PROMPT[:9], 0, [1])], temperature=1.0, seed=42))
+    b = make_backend(16).step(step_input([(PROMPT[2:30], 0, [3, 4]), (PROMPT[:9], 0, [1])],
+                                         temperature=1.0, seed=42))
     assert a.tokens[0] == b.tokens[1]
 
 

@@ -2,11 +2,11 @@
 import numpy as np
 import pytest
 
-from openinfer.backend import StepOutput
 from openinfer.block_manager import BlockManager
-from openinfer.runner import Runner
+from openinfer.runner import pack
 from openinfer.sampling_params import SamplingParams
 from openinfer.scheduler import QueueFull, RequestRejected, Scheduler
+from openinfer.step import StepInput, StepOutput
 
 
 class FakeBackend:
@@ -15,20 +15,30 @@ class FakeBackend:
     def __init__(self):
         self.steps = []
 
-    def step(self, input_ids, positions, query_start_loc, context_lens, block_tables, slot_mapping, sample_idx,
-             temperature, top_p, top_k, seeds, num_logprobs=0, return_logits=False):
-        assert len(input_ids) == len(positions) == len(slot_mapping) == query_start_loc[-1]
-        assert (context_lens == positions[query_start_loc[1:] - 1] + 1).all()
-        self.steps.append(dict(T=len(input_ids), B=len(context_lens), S=len(sample_idx), slots=slot_mapping.copy()))
-        toks = (input_ids[sample_idx] + 1).astype(np.int32)
+    def step(self, s: StepInput) -> StepOutput:
+        assert len(s.input_ids) == len(s.positions) == len(s.slot_mapping) == s.query_start_loc[-1]
+        assert (s.context_lens == s.positions[s.query_start_loc[1:] - 1] + 1).all()
+        self.steps.append(dict(T=len(s.input_ids), B=len(s.context_lens), S=len(s.sample_idx),
+                               slots=s.slot_mapping.copy()))
+        toks = (s.input_ids[s.sample_idx] + 1).astype(np.int32)
         return StepOutput(tokens=toks, logprobs=np.zeros(len(toks), np.float32))
+
+
+class Run:
+    """Runs a scheduled batch on the fake backend."""
+
+    def __init__(self):
+        self.backend = FakeBackend()
+
+    def run(self, batch):
+        return self.backend.step(pack(batch, 16))
 
 
 def make(tokenizer, num_blocks=9, max_model_len=4096, max_num_seqs=8, budget=256, max_waiting=64):
     bm = BlockManager(num_blocks, 16)
     sched = Scheduler(bm, tokenizer, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=budget, max_waiting=max_waiting, eos_token_ids=(151645,))
-    return sched, bm, Runner(FakeBackend(), 16)
+    return sched, bm, Run()
 
 
 def run_all(sched, bm, runner, max_steps=1000, on_step=None):
@@ -173,11 +183,11 @@ def test_slot_mapping_follows_block_tables(tokenizer):
     sched, bm, runner = make(tokenizer, num_blocks=20)
     sched.add_request("a", prompt(37), SamplingParams(max_tokens=3), 0)
     batch = sched.schedule()
-    args = Runner.pack(batch, 16)
+    args = pack(batch, 16)
     table = batch.items[0].seq.block_table
     want = [table[p // 16] * 16 + p % 16 for p in range(37)]
-    assert args["slot_mapping"].tolist() == want and args["context_lens"].tolist() == [37]
-    assert args["sample_idx"].tolist() == [36] and args["seeds"].dtype == np.uint64
+    assert args.slot_mapping.tolist() == want and args.context_lens.tolist() == [37]
+    assert args.sample_idx.tolist() == [36] and args.seeds.dtype == np.uint64
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -94,6 +94,16 @@ void Engine::launch(const StepInput& in) {
   OI_CHECK(finalized_, "launch() before finalize()");
   pdl_enabled() = pdl_;
   OI_CHECK(pending_.size() < 2, "launch() with two steps already pending: collect() first");
+  if (in.T() == 0 && in.B() == 0) {  // copies only (a restore while nothing else runs)
+    plan_copies(in, limits());
+    issue_copies(in);
+    Pending p;
+    p.copies_only = true;
+    pending_.push_back(std::move(p));
+    last_launch_S_ = 0;
+    ++launches_;
+    return;
+  }
   const StepPlan plan = plan_step(in, d_, limits(), eager_kernels_.attention);
   if (in.prev_rows) {
     OI_INPUT_CHECK(last_launch_S_ >= 0, "prev_rows needs a step launched before");
@@ -113,6 +123,7 @@ StepResult Engine::collect() {
   OI_CHECK(!pending_.empty(), "collect() with no step launched");
   Pending p = std::move(pending_.front());
   pending_.pop_front();
+  if (p.copies_only) return StepResult{};
   return p.graph ? finish_graph(p) : finish_eager(p);
 }
 

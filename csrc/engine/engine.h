@@ -81,6 +81,7 @@ class Engine {
  private:
   struct Pending {
     bool graph = false;
+    bool copies_only = false;  // a step of no tokens: nothing to wait for
     int slot = 0;  // graph arena image, or eager staging slot
     int B = 0, S = 0, num_logprobs = 0, taps = 0, tap_rows = 0;
     bool verify = false;

@@ -111,9 +111,13 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
   OI_INPUT_CHECK(in.n_tap_rows == 0 || in.n_tap_layers > 0, "tap_rows without tap_layers");
   for (int64_t i = 0; i < in.n_tap_rows; ++i)
     OI_INPUT_CHECK(in.tap_rows[i] >= 0 && in.tap_rows[i] < T, "tap row " << in.tap_rows[i] << " out of range");
+  plan_copies(in, lim);
+  return p;
+}
+
+void plan_copies(const StepInput& in, const StepLimits& lim) {
   check_copies(in.kv_save, in.n_kv_save, true, lim);
   check_copies(in.kv_load, in.n_kv_load, false, lim);
-  return p;
 }
 
 }  // namespace oi

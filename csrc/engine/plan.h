@@ -29,4 +29,7 @@ std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int 
 
 StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& lim, const AttnVariant& v);
 
+// A step of no tokens (B = 0) carries only KV copies: the checks of those.
+void plan_copies(const StepInput& in, const StepLimits& lim);
+
 }  // namespace oi

@@ -95,7 +95,7 @@ class ReferenceBackend:
         T, B, S = len(s.input_ids), len(s.context_lens), len(s.sample_idx)
         qsl, bt = np.asarray(s.query_start_loc), np.asarray(s.block_tables)
         if len(s.positions) != T or len(s.slot_mapping) != T or len(qsl) != B + 1 or bt.ndim != 2 \
-                or bt.shape[0] != B or qsl[0] != 0 or qsl[-1] != T or (np.diff(qsl) < 1).any() \
+                or bt.shape[0] != B or qsl[0] != 0 or qsl[-1] != T or (np.diff(qsl) < 1).any() or (T == 0) != (B == 0) \
                 or any(len(a) != S for a in (s.temperature, s.top_p, s.top_k, s.seeds)):
             raise ValueError("step: inconsistent array lengths")
         if S and ((s.sample_idx < 0).any() or (s.sample_idx >= T).any()):
@@ -133,6 +133,8 @@ class ReferenceBackend:
         return ids
 
     def _run(self, s: StepInput, ids: np.ndarray) -> StepOutput:
+        if not len(ids):  # a step of copies only
+            return StepOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, F32))
         taps = np.asarray(s.tap_layers)
         hidden, tapped = self._forward(ids, s.positions, s.query_start_loc, s.context_lens, s.block_tables,
                                        s.slot_mapping, s.sample_idx, taps, np.asarray(s.tap_rows))
