@@ -22,29 +22,25 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
+from openinfer.step import StepInput
+
 FLOOR_MS = {"qwen3-4b": 1.91, "qwen3-8b": 3.59, "qwen3-32b": 15.2}
 
 
-def knob_settings(knobs: str) -> list[tuple[str, list[tuple[str, int]]]]:
-    """'a=1,b=2;a=0,b=2' -> [(text, [(name, value), ...]), ...]. Every setting must name the same knobs: a
-    knob keeps its value until it is set again, so one left out would carry the last setting's value."""
-    out = []
-    for setting in knobs.split(";"):
-        pairs = [(kv.split("=")[0], int(kv.split("=")[1])) for kv in setting.split(",") if kv]
-        out.append((setting, pairs))
-    names = [sorted(n for n, _ in pairs) for _, pairs in out]
-    if any(n != names[0] for n in names):
-        raise SystemExit(f"--knobs: every setting must name the same knobs: {names}")
-    return out
-
-
-def apply_knobs(ops, pairs: list[tuple[str, int]]) -> None:
-    for name, value in pairs:
-        getattr(ops, name)(value)
+def option_settings(options: str) -> list[tuple[str, dict]]:
+    """'persistent_decode=0;persistent_decode=1' -> [(text, EngineConfig overrides), ...]: each setting
+    builds its own engine, in turn, in this process (values are ints, floats or true/false)."""
+    def value(v: str):
+        if v.lower() in ("true", "false"):
+            return v.lower() == "true"
+        return float(v) if "." in v else int(v)
+    return [(setting, {kv.split("=")[0]: value(kv.split("=")[1]) for kv in setting.split(",") if kv})
+            for setting in options.split(";")]
 
 
 def model_dir(preset: str) -> Path:
@@ -82,9 +78,9 @@ class Runner:
         self.next_block += n
         return out
 
-    def args(self, seqs) -> dict:
-        """seqs: list of (block ids, first new position, number of new tokens) -> the backend's step
-        arguments (random token ids; the last token of each sequence samples)."""
+    def args(self, seqs) -> StepInput:
+        """seqs: list of (block ids, first new position, number of new tokens) -> the backend's StepInput
+        (random token ids; the last token of each sequence samples)."""
         ids, pos, qsl, ctx, slots, sample = [], [], [0], [], [], []
         M = max(len(b) for b, _, _ in seqs)
         bt = np.zeros((len(seqs), M), np.int32)
@@ -99,17 +95,18 @@ class Runner:
             sample.append(qsl[-1] - 1)
         S = len(sample)
         temp, top_p, top_k = self.sampling
-        return dict(input_ids=np.concatenate(ids), positions=np.concatenate(pos),
-                    query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32), block_tables=bt,
-                    slot_mapping=np.concatenate(slots).astype(np.int32), sample_idx=np.array(sample, np.int32),
-                    temperature=np.full(S, temp, np.float32), top_p=np.full(S, top_p, np.float32),
-                    top_k=np.full(S, top_k, np.int32), seeds=np.arange(S, dtype=np.uint64))
+        return StepInput(input_ids=np.concatenate(ids), positions=np.concatenate(pos),
+                         query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32),
+                         block_tables=bt, slot_mapping=np.concatenate(slots).astype(np.int32),
+                         sample_idx=np.array(sample, np.int32), temperature=np.full(S, temp, np.float32),
+                         top_p=np.full(S, top_p, np.float32), top_k=np.full(S, top_k, np.int32),
+                         seeds=np.arange(S, dtype=np.uint64))
 
     def step(self, seqs):
         """One synchronous step: (wall ms, GPU ms)."""
         args = self.args(seqs)
         t0 = time.perf_counter()
-        self.b.step(**args)
+        self.b.step(args)
         return (time.perf_counter() - t0) * 1e3, getattr(self.b, "last_gpu_ms", float("nan"))
 
     def overlapped(self, seqs_of, steps: int) -> tuple[list[float], list[np.ndarray]]:
@@ -118,10 +115,10 @@ class Runner:
         the ms between consecutive collects (steps - 2 of them) and every step's sampled tokens."""
         first = seqs_of(0)
         feed = np.arange(len(first), dtype=np.int32)  # row b takes the previous step's row-b token
-        self.b.launch(**self.args(first))
+        self.b.launch(self.args(first))
         done, tokens = [], []
         for i in range(1, steps):
-            self.b.launch(**self.args(seqs_of(i)), prev_rows=feed)
+            self.b.launch(replace(self.args(seqs_of(i)), prev_rows=feed))
             tokens.append(self.b.collect().tokens)
             done.append(time.perf_counter())
         tokens.append(self.b.collect().tokens)
@@ -129,12 +126,13 @@ class Runner:
 
 
 def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str,
-                 sampling: str = "greedy") -> list[dict]:
+                 sampling: str = "greedy", options: dict | None = None) -> list[dict]:
     import openinfer
 
     t0 = time.perf_counter()
     eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
-                           max_model_len=max(ctx + 2 * steps + 16, prefill_len + 16), pdl=pdl != "0")
+                           max_model_len=max(ctx + 2 * steps + 16, prefill_len + 16), pdl=pdl != "0",
+                           **(options or {}))
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size, sampling=sampling)
     rows = []
@@ -185,26 +183,22 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--prefill-len", type=int, default=1024)
-    ap.add_argument("--knobs", default="", help="experiment switches set before the engine is made, as "
-                    "'name=value,...' calls of _engine.ops; settings separated by ';' run in turn in this process "
-                    "(e.g. 'attention_cluster_cap=0;attention_cluster_cap=4'); every setting names the same knobs, "
-                    "since a knob keeps its value until it is set again")
+    ap.add_argument("--options", default="", help="EngineConfig settings to compare, as 'name=value,...'; settings "
+                    "separated by ';' each build an engine, in turn, in this process (e.g. "
+                    "'persistent_decode=false;persistent_decode=true')")
     ap.add_argument("--sampling", default="greedy", choices=sorted(SAMPLING),
                     help="greedy, or qwen: temperature 0.6, top_p 0.95, top_k 20 (the releases' defaults)")
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
-    settings = knob_settings(a.knobs)
     rows = []
     for preset in a.preset.split(","):
-        from openinfer import _engine
-        for setting, pairs in settings:
-            apply_knobs(_engine.ops, pairs)
+        for setting, options in option_settings(a.options):
             for pdl in a.pdl.split(","):
-                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl, a.sampling)
+                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl, a.sampling, options)
                 for r in got:
-                    r["knobs"] = setting
+                    r["options"] = setting
                 rows += got
     # The tree the engine was built from (bench/build_wheel.sh, via device_setup.sh), else this checkout's.
     commit = os.environ.get("OPENINFER_TREE", "")
@@ -222,10 +216,10 @@ def main() -> None:
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))
-    print(f"{'preset':10} {'pdl':3} {'knobs':24} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8} "
+    print(f"{'preset':10} {'pdl':3} {'options':24} {'what':8} {'batch':>5} {'wall ms':>9} {'gpu ms':>9} {'x floor':>8} "
           f"{'overlap ms':>10}")
     for r in rows:
-        print(f"{r['preset']:10} {r['pdl']:3} {r.get('knobs', ''):24} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
+        print(f"{r['preset']:10} {r['pdl']:3} {r.get('options', ''):24} {r['what']:8} {r.get('batch', r.get('tokens', '')):>5} {r['wall_ms_median']:9.3f} "
               f"{r['gpu_ms_median']:9.3f} {r.get('ratio_to_floor', float('nan')):8.2f} "
               f"{r.get('overlapped_ms_median', float('nan')):10.3f}")
 

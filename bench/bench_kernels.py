@@ -1,10 +1,12 @@
 """Kernel timings at Qwen3 decode shapes, cold L2, medians: the fused small-batch GEMM against
 rmsnorm/silu + cuBLASLt, as % of the bandwidth floor (weight bytes / 4.21 TB/s). With --chain: the
 decode step's four projections x all layers in one CUDA graph (the weight stream without attention).
+The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOPENINFER_BENCH=ON.
 
   python bench/bench_kernels.py --out bench/results/kernels.json
-  python bench/bench_kernels.py --chain 4b,8b --rows 1,2 --pdl 1,0
-  python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64
+  python bench/bench_kernels.py --chain 4b,8b --rows 1,2 --pdl 1,0 --variants 'kernel=0;kernel=1'
+  python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64 \
+      --variants 'key_warps=0;key_warps=1'
 """
 from __future__ import annotations
 
@@ -25,44 +27,44 @@ CHAINS = {  # one decoder layer's projections (qkv, o, gate_up, down) and the la
 }
 
 
-def attention(a, _engine) -> list:
+def variant_settings(variants: str) -> list[tuple[str, dict]]:
+    """'key_warps=0;key_warps=1' -> [(text, keyword arguments of the harness), ...]."""
+    return [(v, {kv.split("=")[0]: int(kv.split("=")[1]) for kv in v.split(",") if kv}) for v in variants.split(";")]
+
+
+def attention(a, bench) -> list:
     """Decode attention (4B heads: 32 query, 8 KV), one launch per layer of 36 in a graph."""
     rows = []
-    print(f"{'knobs':24} {'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
-    from bench_engine import apply_knobs, knob_settings
-
-    for setting, pairs in knob_settings(a.knobs):
-        apply_knobs(_engine.ops, pairs)
+    print(f"{'variant':24} {'batch':>5} {'ctx':>6} {'splits':>6} {'KV MB':>7} {'us':>8} {'GB/s':>7}")
+    for setting, kw in variant_settings(a.variants):
         for case in a.attention.split(","):
             B, ctx = (int(v) for v in case.split("x"))
             for sp in (int(v) for v in a.splits.split(",")):
-                us, used = _engine.ops.bench_attention(B, ctx, 32, 8, 36, sp, a.reps)
+                us, used = bench.attention(B, ctx, 32, 8, 36, sp, a.reps, **kw)
                 mb = B * ctx * 8 * 128 * 2 * 2 / 1e6
-                rows.append({"knobs": setting, "batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
+                rows.append({"variant": setting, "batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
                 print(f"{setting:24} {B:5d} {ctx:6d} {used:6d} {mb:7.1f} {us:8.2f} {mb * 1e3 / us:7.0f}", flush=True)
     return rows
 
 
-def chain(a, _engine) -> list:
+def chain(a, bench) -> list:
     """The GEMV chain per model and row count, for each PDL setting asked for."""
-    from bench_engine import apply_knobs, knob_settings
     rows = []
-    print(f"{'knobs':16} {'model':6} {'M':>2} {'pdl':>3} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
-    for setting, pairs in knob_settings(a.knobs):
-        apply_knobs(_engine.ops, pairs)
+    print(f"{'variant':16} {'model':6} {'M':>2} {'pdl':>3} {'floor us':>9} {'graph us':>9} {'% floor':>8} {'us/layer':>9}")
+    for setting, kw in variant_settings(a.variants):
         for model in a.chain.split(","):
             # a SHAPES name: that projection alone, 36 times in a row (one projection's share of a chain)
             shapes, layers = CHAINS[model] if model in CHAINS else ([SHAPES[model]], 36)
             floor = sum(n * k * 2 for n, k, _, _ in shapes) * layers / BW * 1e6
             for M in (int(m) for m in a.rows.split(",")):
                 for pdl in (int(v) for v in a.pdl.split(",")):
-                    _engine.ops.set_pdl(bool(pdl))
-                    us = _engine.ops.bench_gemv_chain(M, shapes, layers, a.reps)
-                    rows.append({"knobs": setting, "model": model, "M": M, "pdl": pdl, "floor_us": floor, "graph_us": us,
+                    bench.set_pdl(bool(pdl))
+                    us = bench.gemv_chain(M, shapes, layers, a.reps, **kw)
+                    rows.append({"variant": setting, "model": model, "M": M, "pdl": pdl, "floor_us": floor, "graph_us": us,
                                  "layers": layers})
                     print(f"{setting:16} {model:6} {M:2d} {pdl:3d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}% "
                           f"{us / layers:9.2f}", flush=True)
-    _engine.ops.set_pdl(True)
+    bench.set_pdl(True)
     return rows
 
 
@@ -76,17 +78,17 @@ def main() -> None:
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
-    ap.add_argument("--knobs", default="", help="--attention, --chain: experiment switches as 'name=value,...' calls of "
-                    "_engine.ops, settings separated by ';' timed in turn (e.g. 'attention_key_warps=0;attention_key_warps=1')")
+    ap.add_argument("--variants", default="", help="--attention (key_warps, cluster_cap), --chain (kernel: 0 auto, 1 CUDA "
+                    "cores, 2 CUDA cores with bf16 input, 3 tensor cores): settings separated by ';', timed in turn")
     a = ap.parse_args()
     a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")
-    from openinfer import _engine
+    from openinfer import _bench
 
     if a.chain or a.attention:
-        rows = chain(a, _engine) if a.chain else attention(a, _engine)
+        rows = chain(a, _bench) if a.chain else attention(a, _bench)
         if a.out:
             json.dump({"command": "python bench/bench_kernels.py " + (f"--chain {a.chain} --rows {a.rows} --pdl {a.pdl}" if a.chain else
-                       f"--attention {a.attention} --splits {a.splits} --knobs '{a.knobs}'"), "rows": rows}, open(a.out, "w"),
+                       f"--attention {a.attention} --splits {a.splits} --variants '{a.variants}'"), "rows": rows}, open(a.out, "w"),
                       indent=1)
         return
 
@@ -95,8 +97,8 @@ def main() -> None:
     for name, (N, K, pro, epi) in SHAPES.items():
         for M in (int(m) for m in a.rows.split(",")):
             floor = N * K * 2 / BW * 1e6
-            fused = _engine.ops.bench_linear(M, N, K, pro, epi, True, a.reps)
-            lt = _engine.ops.bench_linear(M, N, K, pro, epi, False, a.reps)
+            fused = _bench.linear(M, N, K, pro, epi, True, a.reps)
+            lt = _bench.linear(M, N, K, pro, epi, False, a.reps)
             r = {"shape": name, "M": M, "floor_us": floor, "fused_us": fused if fused > 0 else None, "cublas_us": lt}
             rows.append(r)
             fp = f"{100 * floor / fused:7.0f}%" if fused > 0 else "     n/a"

@@ -6,7 +6,7 @@ python3 - <<'PY' || return 1
 import glob, shutil, zipfile
 z = zipfile.ZipFile(sorted(glob.glob(".whl/openinfer-*.whl"))[-1])
 for n in z.namelist():
-    if "/_engine" in n:
+    if "/_engine" in n or "/_bench" in n:
         with z.open(n) as src, open("src/openinfer/" + n.split("/")[-1], "wb") as dst:
             shutil.copyfileobj(src, dst)
 PY

@@ -11,9 +11,9 @@
 # kbench (bench_kernels), sweep (serving sweep, POINT_SECONDS, default 8), overlap (concurrency 1 and 64
 # with --overlap-steps true and false, side by side), ab (QPS 32 and concurrency 64, 40 s each, for the
 # tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint, attn (decode attention key
-# warps on/off: the attention tests, the graph tests, kernel and engine A/B), sampling (the sampling
-# tests, then decode steps greedy and at the releases' default sampling, for .alt/ if present and this
-# tree), knobs (bench_engine A/B of KNOBS over PRESETS and BATCHES).
+# warps on/off: the attention tests, the graph tests, the kernel A/B), sampling (the sampling tests, then
+# decode steps greedy and at the releases' default sampling, for .alt/ if present and this tree), options
+# (bench_engine A/B of EngineConfig OPTIONS over PRESETS and BATCHES).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -69,12 +69,9 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
             -k "paged_attention or key_warps or split_attention" 2>&1 | tail -3
           python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -2
           python3 bench/bench_kernels.py --attention 1x1024,1x8192,1x32768,2x1024,8x1024,64x1024 \
-            --knobs 'attention_key_warps=0;attention_key_warps=1' --out "$OUT/attn_kernel_ab.json"
-          python3 bench/bench_engine.py --preset qwen3-4b,qwen3-8b --batches 1,2,8,64 --prefill-len 64 \
-            --knobs 'attention_key_warps=0;attention_key_warps=1;attention_key_warps=0;attention_key_warps=1' \
-            --out "$OUT/attn_engine_ab.json" | grep -v prefill | tail -33 ;;
-    knobs) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
-             --prefill-len 64 --knobs "$KNOBS" --out "$OUT/knobs_ab.json" | grep -v prefill ;;
+            --variants 'key_warps=0;key_warps=1' --out "$OUT/attn_kernel_ab.json" ;;
+    options) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
+             --prefill-len 64 --options "$OPTIONS" --out "$OUT/options_ab.json" | grep -v prefill ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
     *) echo "unknown stage $stage" ;;

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 
 import numpy as np
 
@@ -29,14 +30,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--out", default="")
-    ap.add_argument("--knobs", default="", help="_engine.ops switches set first, as 'name=value,...'")
     a = ap.parse_args()
     import openinfer
-    from openinfer import _engine
-
-    for kv in filter(None, a.knobs.split(",")):
-        name, value = kv.split("=")
-        getattr(_engine.ops, name)(int(value))
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
                            max_num_seqs=8, gpu_memory_utilization=0.5)
@@ -47,9 +42,9 @@ def main() -> None:
     rows = []
     for k in range(5):
         args = r.args([(blocks, a.ctx + k, 1)])
-        _engine.ops.persistent_trace(True)
-        be.step(**args, force_eager=True)
-        t = _engine.ops.persistent_trace(False).astype(np.int64)
+        be.eng.persistent_trace(True)  # stamps eager persistent steps of this engine
+        be.step(replace(args, force_eager=True))
+        t = be.eng.persistent_trace(False).astype(np.int64)
         t = np.where(t > 0, (t - t[:, 0].min()) / 1e3, np.nan)
         rows.append(t)
     t = np.nanmedian(np.stack(rows), axis=0)  # [blocks, events] µs, median over steps per block

@@ -31,8 +31,8 @@ def test_overlapped_decode_feeds_the_previous_tokens(tiny_cfg, tiny_weights):
     for i in range(steps):
         a = r2.args([(s, 7 + i, 1) for s in seqs2])
         if ids is not None:
-            a["input_ids"] = ids
-        ids = r2.b.step(**a).tokens.astype(np.int32)
+            a.input_ids = ids
+        ids = r2.b.step(a).tokens.astype(np.int32)
         want.append(ids)
     assert all(np.array_equal(x, y) for x, y in zip(got, want))
     assert len({tuple(t) for t in want}) > 1  # the tokens move from step to step

@@ -11,6 +11,8 @@ import pytest
 
 from gpu_util import rel_err, requires_gpu
 
+from openinfer.step import StepInput
+
 pytestmark = requires_gpu
 
 
@@ -56,8 +58,8 @@ def _decode_batch(backend, B, rng, next_block, lens=None):
         pos = np.arange(n, dtype=np.int32)
         slots = (np.array(blocks)[pos // 16] * 16 + pos % 16).astype(np.int32)
         one = np.zeros(1, np.float32)
-        backend.step(ids, pos, np.array([0, n], np.int32), np.array([n], np.int32), np.array([blocks], np.int32),
-                     slots, np.array([n - 1], np.int32), one, one + 1, np.zeros(1, np.int32), np.zeros(1, np.uint64))
+        backend.step(StepInput(ids, pos, np.array([0, n], np.int32), np.array([n], np.int32), np.array([blocks], np.int32),
+                     slots, np.array([n - 1], np.int32), one, one + 1, np.zeros(1, np.int32), np.zeros(1, np.uint64)))
         tables.append(blocks)
         ctx.append(int(n) + 1)
     M = max(len(t) for t in tables)
@@ -79,9 +81,9 @@ def test_graph_replay_equals_eager(engine, B):
     assert B == 1 or max(backend.eng.graph_batches) >= B
     args, _ = _decode_batch(backend, B, np.random.default_rng(B), 1)
     before = backend.eng.graph_steps
-    g = backend.step(*args)
+    g = backend.step(StepInput(*args))
     assert backend.eng.graph_steps == before + 1, "the decode step did not replay a graph"
-    e = backend.step(*args, force_eager=True)
+    e = backend.step(StepInput(*args, force_eager=True))
     assert backend.eng.graph_steps == before + 1
     np.testing.assert_array_equal(g.tokens, e.tokens)
     np.testing.assert_array_equal(g.logprobs, e.logprobs)
@@ -121,11 +123,11 @@ def test_pdl_graph_equals_plain_eager(engine, B):
     assert backend.eng.pdl, "the H200 runs with PDL by default"
     args, _ = _decode_batch(backend, B, np.random.default_rng(100 + B), 1)
     before = backend.eng.graph_steps
-    g = backend.step(*args)
+    g = backend.step(StepInput(*args))
     assert backend.eng.graph_steps == before + 1
     backend.eng.pdl = False
     try:
-        e = backend.step(*args, force_eager=True)
+        e = backend.step(StepInput(*args, force_eager=True))
     finally:
         backend.eng.pdl = True
     np.testing.assert_array_equal(g.tokens, e.tokens)
@@ -162,7 +164,7 @@ def test_pdl_eager_steps_equal_plain(engine):
         for on in (True, False):
             backend.eng.pdl = on
             try:
-                outs.append(backend.step(*args, return_logits=True))
+                outs.append(backend.step(StepInput(*args, return_logits=True)))
             finally:
                 backend.eng.pdl = True
         np.testing.assert_array_equal(outs[0].tokens, outs[1].tokens)
@@ -178,8 +180,6 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
     separate kernel give the same bits over three steps, each reading the K/V the steps before wrote.
     Long contexts take the merge between clusters; 63/64/1023/1535 put the newest key at a split edge;
     the last three run the one-warp kernel (clusters, then the workspace merge alone)."""
-    from openinfer import _engine
-
     backend = engine.llm_engine.backend
     args, next_block = _decode_batch(backend, B, np.random.default_rng(200 + B), 1, lens)
     steps = [args]
@@ -195,18 +195,15 @@ def test_rope_fused_into_attention_matches_separate(engine, B, lens, kernel):
         ids = np.random.default_rng(k).integers(0, 151643, B).astype(np.int32)
         steps.append((ids, p, qsl, ctx + k, bt.copy(), slots, *args[6:]))
     outs = []
-    _engine.ops.persistent_decode(0)  # batch 1: the decode bucket's kernels, not the persistent kernel
     for fused in (True, False):
-        _engine.ops.attention_fuse_rope(fused)
-        _engine.ops.attention_key_warps(kernel == "key warps")  # one warp: one-warp blocks and clusters
-        _engine.ops.attention_cluster_cap(1 if kernel == "no clusters" else 0)  # workspace merges only
+        # batch 1: the decode bucket's kernels, not the persistent kernel; one warp: one-warp blocks and
+        # clusters; no clusters: workspace merges only
+        backend.eng.set_kernel_choice(persistent=False, fuse_rope=fused, key_warps=kernel == "key warps",
+                                      cluster_cap=1 if kernel == "no clusters" else 0)
         try:
-            outs.append([backend.step(*a, force_eager=True) for a in steps])
+            outs.append([backend.step(StepInput(*a, force_eager=True)) for a in steps])
         finally:
-            _engine.ops.attention_fuse_rope(True)
-            _engine.ops.attention_key_warps(1)
-            _engine.ops.attention_cluster_cap(0)
-    _engine.ops.persistent_decode(1)
+            backend.eng.set_kernel_choice()
     for f, u in zip(*outs):
         np.testing.assert_array_equal(f.tokens, u.tokens)
         np.testing.assert_array_equal(f.logprobs, u.logprobs)
@@ -220,9 +217,9 @@ def _prefill_chunks(backend, n, rng, first_block, chunk=4096):
     for p0 in range(0, n, chunk):
         m = min(chunk, n - p0)
         pos = np.arange(p0, p0 + m, dtype=np.int32)
-        backend.step(rng.integers(0, 151643, m).astype(np.int32), pos, np.array([0, m], np.int32),
+        backend.step(StepInput(rng.integers(0, 151643, m).astype(np.int32), pos, np.array([0, m], np.int32),
                      np.array([p0 + m], np.int32), bt, (bt[0, pos // 16] * 16 + pos % 16).astype(np.int32),
-                     np.array([m - 1], np.int32), one, one + 1, np.zeros(1, np.int32), np.zeros(1, np.uint64))
+                     np.array([m - 1], np.int32), one, one + 1, np.zeros(1, np.int32), np.zeros(1, np.uint64)))
     return bt
 
 
@@ -232,8 +229,6 @@ def _persistent_vs_kernels(backend, n, rng):
     earlier steps wrote. Returns (error of the persistent kernel's logits against the kernel path's,
     the spread between two kernel paths that differ only in summation order: every projection's dot
     products on the tensor cores or on CUDA cores)."""
-    from openinfer import _engine
-
     bt = _prefill_chunks(backend, n, rng, 1)
     steps = []
     for k in range(3):
@@ -242,14 +237,14 @@ def _persistent_vs_kernels(backend, n, rng):
                       (bt[0, p // 16] * 16 + p % 16).astype(np.int32), np.zeros(1, np.int32),
                       np.zeros(1, np.float32), np.ones(1, np.float32), np.zeros(1, np.int32), np.zeros(1, np.uint64)))
     outs = {}
-    for name, persistent, tc in (("persistent", 1, 1), ("kernels", 0, 1), ("tensor cores", 0, 2), ("cuda cores", 0, 0)):
-        _engine.ops.persistent_decode(persistent)
-        _engine.ops.gemv_tensor_cores(tc)
+    # GEMV kernels: 0 the engine's choice, 1 CUDA cores, 3 tensor cores
+    for name, persistent, gemv in (("persistent", True, 0), ("kernels", False, 0), ("tensor cores", False, 3),
+                                   ("cuda cores", False, 1)):
+        backend.eng.set_kernel_choice(persistent=persistent, gemv=gemv)
         try:
-            outs[name] = [backend.step(*a, force_eager=True, return_logits=True).logits for a in steps]
+            outs[name] = [backend.step(StepInput(*a, force_eager=True, return_logits=True)).logits for a in steps]
         finally:
-            _engine.ops.persistent_decode(1)
-            _engine.ops.gemv_tensor_cores(1)
+            backend.eng.set_kernel_choice()
     err = max(rel_err(x, y) for x, y in zip(outs["persistent"], outs["kernels"]))
     spread = max(rel_err(x, y) for x, y in zip(outs["tensor cores"], outs["cuda cores"]))
     return err, spread
@@ -367,23 +362,23 @@ def test_fed_steps_equal_host_fed_steps(engine):
     fed3 = np.array([0, 1, 2, -1], np.int32)
     every = np.arange(4, dtype=np.int32)
     before = backend.eng.graph_steps
-    backend.launch(*args)
-    backend.launch(*mixed, prev_rows=fed3)
+    backend.launch(StepInput(*args))
+    backend.launch(StepInput(*mixed, prev_rows=fed3))
     got = [backend.collect()]
-    backend.launch(*third, num_logprobs=2, prev_rows=every)  # eager: two staging slots in flight
+    backend.launch(StepInput(*third, num_logprobs=2, prev_rows=every))  # eager: two staging slots in flight
     got.append(backend.collect())
-    backend.launch(*fourth, prev_rows=every)
+    backend.launch(StepInput(*fourth, prev_rows=every))
     got += [backend.collect(), backend.collect()]
     assert backend.eng.graph_steps == before + 2, "the first and last steps replayed graphs"
     # the same steps with the tokens given on the host: they rewrite the same K/V, so each sees what it saw
-    ref = [backend.step(*args)]
-    ref.append(backend.step(np.concatenate([ref[0].tokens.astype(np.int32), prompt]), *mixed[1:]))
-    ref.append(backend.step(ref[1].tokens.astype(np.int32), *third[1:], num_logprobs=2))
-    ref.append(backend.step(ref[2].tokens.astype(np.int32), *fourth[1:]))
+    ref = [backend.step(StepInput(*args))]
+    ref.append(backend.step(StepInput(np.concatenate([ref[0].tokens.astype(np.int32), prompt]), *mixed[1:])))
+    ref.append(backend.step(StepInput(ref[1].tokens.astype(np.int32), *third[1:], num_logprobs=2)))
+    ref.append(backend.step(StepInput(ref[2].tokens.astype(np.int32), *fourth[1:])))
     for g, r in zip(got, ref):
         np.testing.assert_array_equal(g.tokens, r.tokens)
         np.testing.assert_array_equal(g.logprobs, r.logprobs)
     np.testing.assert_array_equal(got[2].top_ids, ref[2].top_ids)
     np.testing.assert_array_equal(got[2].top_logprobs, ref[2].top_logprobs)
     # the comparison sees a feed that did nothing: the placeholder ids give other results
-    assert not np.array_equal(backend.step(*mixed).logprobs, ref[1].logprobs)
+    assert not np.array_equal(backend.step(StepInput(*mixed)).logprobs, ref[1].logprobs)

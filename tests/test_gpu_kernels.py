@@ -180,14 +180,10 @@ def test_paged_attention_smaller_cluster_cap(cap):
     _, _, nH, nKV = SHAPES["4b"]
     rng = np.random.default_rng(cap)
     args, want = _attention_case(rng, nH, nKV, ATTN_CASES["decode_b7_mixed"])
-    ops().attention_cluster_cap(cap)
-    try:
-        for splits in (2, 12, 16, 48):
-            got, used = ops().paged_attention(*args, splits)
-            err = rel_err(f32(got).reshape(want.shape), want)
-            assert err < TOL["attention"], (cap, splits, err)
-    finally:
-        ops().attention_cluster_cap(0)
+    for splits in (2, 12, 16, 48):
+        got, used = ops().paged_attention(*args, splits, cluster_cap=cap)
+        err = rel_err(f32(got).reshape(want.shape), want)
+        assert err < TOL["attention"], (cap, splits, err)
 
 
 @pytest.mark.parametrize("model", ["4b", "32b"])
@@ -206,22 +202,16 @@ def test_decode_key_warps_equal_one_warp_blocks(model, case):
     args, want = _attention_case(rng, nH, nKV, seqs)
     num_work, max_rows = len(seqs), max(n for _, n in seqs) * group  # decode items: one per sequence
     assert max_rows <= 16
-    try:
-        for cap in (0, 2):  # the device's clusters, then clusters of at most 2 (several per item)
-            ops().attention_cluster_cap(cap)
-            for splits in (4, 12, 16, 48, 64, 0):
-                got = {}
-                for on in (1, 0):
-                    ops().attention_key_warps(on)
-                    out, used = ops().paged_attention(*args, splits)
-                    shape = ops().attention_launch_shape(num_work, max_rows, used)
-                    assert shape["key_warps"] == (on == 1 and used % 4 == 0), (splits, used, shape)
-                    got[on] = f32(out).reshape(want.shape)
-                    assert rel_err(got[on], want) < TOL["attention"], (cap, splits, on)
-                assert rel_err(got[1], got[0]) < TOL["attention"] / 2, (cap, splits)
-    finally:
-        ops().attention_key_warps(1)
-        ops().attention_cluster_cap(0)
+    for cap in (0, 2):  # the device's clusters, then clusters of at most 2 (several per item)
+        for splits in (4, 12, 16, 48, 64, 0):
+            got = {}
+            for on in (True, False):
+                out, used = ops().paged_attention(*args, splits, key_warps=on, cluster_cap=cap)
+                shape = ops().attention_launch_shape(num_work, max_rows, used, key_warps=on, cluster_cap=cap)
+                assert shape["key_warps"] == (on and used % 4 == 0), (splits, used, shape)
+                got[on] = f32(out).reshape(want.shape)
+                assert rel_err(got[on], want) < TOL["attention"], (cap, splits, on)
+            assert rel_err(got[True], got[False]) < TOL["attention"] / 2, (cap, splits)
 
 
 @pytest.mark.parametrize("batch", [1, 3, 64, 256])
@@ -381,6 +371,7 @@ GEMV_CASES = {  # (N, K, prologue, epilogue) of each fused projection; epilogue 
     "odd": [(37, 512, 1, 0), (38, 768, 0, 1), (22, 512, 1, 3)],  # partial tiles
 }
 _W: dict = {}
+GEMV_KERNELS = {"fp32_input": 1, "bf16_input": 2, "tensor_cores": 3}  # ops.gemv's kernel choices
 
 
 def _weights(N, K):
@@ -408,16 +399,11 @@ def _gemv_ref(x, nw, w, pro, epi, y0):
 def test_fused_gemv(model, M, mode):
     """Both stagings of the input: fp32 (the default where it fits; 32B's down projection stays bf16) and bf16;
     and the tensor-core kernel (bf16 input, two rows per warp: the odd shapes end on half a pair)."""
-    ops().gemv_fp32_input(int(mode == "fp32_input"))
-    ops().gemv_tensor_cores(2 if mode == "tensor_cores" else 0)
-    try:
-        for N, K, pro, epi in GEMV_CASES[model]:
-            fits = (M + (pro == 1)) * K * 2 <= 200 * 1024  # the bf16 staging
-            assert ops().gemv_takes_tensor_cores(M, K, pro, epi) == (mode == "tensor_cores" and fits)
-        _fused_gemv_case(model, M)
-    finally:
-        ops().gemv_fp32_input(1)
-        ops().gemv_tensor_cores(1)
+    kernel = GEMV_KERNELS[mode]
+    for N, K, pro, epi in GEMV_CASES[model]:
+        fits = (M + (pro == 1)) * K * 2 <= 200 * 1024  # the bf16 staging
+        assert ops().gemv_takes_tensor_cores(M, K, pro, epi, kernel) == (mode == "tensor_cores" and fits)
+    _fused_gemv_case(model, M, kernel)
 
 
 def test_fused_gemv_tensor_cores_rows_agree():
@@ -427,16 +413,10 @@ def test_fused_gemv_tensor_cores_rows_agree():
     N, K = 2560, 9728
     w = _weights(N, K)
     x = rand_bf16(rng, (2, K), 2.0)
-    try:
-        ops().gemv_tensor_cores(2)
-        two = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6))
-        one = f32(ops().gemv(x[:1], None, w, 1, N, K, 0, 0, None, 1e-6))
-        ops().gemv_tensor_cores(0)
-        ops().gemv_fp32_input(0)
-        cuda_cores = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6))
-    finally:
-        ops().gemv_tensor_cores(1)
-        ops().gemv_fp32_input(1)
+    tc, bf16_cores = GEMV_KERNELS["tensor_cores"], GEMV_KERNELS["bf16_input"]
+    two = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6, tc))
+    one = f32(ops().gemv(x[:1], None, w, 1, N, K, 0, 0, None, 1e-6, tc))
+    cuda_cores = f32(ops().gemv(x, None, w, 2, N, K, 0, 0, None, 1e-6, bf16_cores))
     np.testing.assert_array_equal(one[0], two[0])
     assert rel_err(two, cuda_cores) < TOL["bf16_out"]
     # the kernels sum in different orders, so some of the 5120 outputs round apart: the tensor cores ran
@@ -444,30 +424,27 @@ def test_fused_gemv_tensor_cores_rows_agree():
 
 
 def test_fused_gemv_kernel_choice():
-    """Mode 1 (the default) takes the tensor cores where they measured faster: two rows but lm_head's
-    fp32 output, one row from K = 8192; mode 0 never, mode 2 always (within the GEMV's 1-2 rows)."""
+    """The engine's choice (kernel 0) takes the tensor cores where they measured faster: two rows but
+    lm_head's fp32 output, one row from K = 8192; the CUDA-core kernels never, the tensor-core one always
+    (within the GEMV's 1-2 rows)."""
     rule = {  # (M, K, prologue, epilogue): mode 1's choice
         (1, 2560, 1, 0): False, (1, 4096, 0, 1): False, (1, 2560, 1, 3): False, (1, 9728, 0, 1): True,
         (1, 2560, 1, 2): False, (1, 25600, 0, 1): True, (2, 2560, 1, 0): True, (2, 4096, 1, 3): True,
         (2, 12288, 0, 1): True, (2, 2560, 1, 2): False, (3, 2560, 1, 0): False}
-    try:
-        for mode in (0, 1, 2):
-            ops().gemv_tensor_cores(mode)
-            for (M, K, pro, epi), want in rule.items():
-                got = ops().gemv_takes_tensor_cores(M, K, pro, epi)
-                assert got == (M <= 2 and (mode == 2 or (mode == 1 and want))), (mode, M, K, pro, epi)
-    finally:
-        ops().gemv_tensor_cores(1)
+    for kernel in (0, 1, 2, 3):
+        for (M, K, pro, epi), want in rule.items():
+            got = ops().gemv_takes_tensor_cores(M, K, pro, epi, kernel)
+            assert got == (M <= 2 and (kernel == 3 or (kernel == 0 and want))), (kernel, M, K, pro, epi)
 
 
-def _fused_gemv_case(model, M):
+def _fused_gemv_case(model, M, kernel):
     rng = np.random.default_rng(M * 31 + len(model))
     for N, K, pro, epi in GEMV_CASES[model]:
         x = rand_bf16(rng, (M, K), 2.0)
         nw = f32_to_bf16_pos(rng, K) if pro == 1 else None
         w = _weights(N, K)
         y0 = rand_bf16(rng, (M, N)) if epi == 1 else None
-        got = ops().gemv(x, nw, w, M, N, K, pro, epi, y0, 1e-6)
+        got = ops().gemv(x, nw, w, M, N, K, pro, epi, y0, 1e-6, kernel)
         if got is None:  # staged input too large for shared memory: the engine falls back to cuBLASLt
             assert (M + (pro == 1)) * K * 2 > 200 * 1024, (N, K, M)  # staged input (and norm weight)
             continue

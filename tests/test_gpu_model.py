@@ -19,6 +19,8 @@ import pytest
 
 from gpu_util import rel_err, requires_gpu
 
+from openinfer.step import StepInput
+
 pytestmark = requires_gpu
 torch = pytest.importorskip("torch", reason="GPU model tests compare against HF transformers (torch)")
 transformers = pytest.importorskip("transformers")
@@ -104,10 +106,12 @@ class Pair:
             ctx.append(len(toks))
             sample += list(range(start, len(ids))) if sample_all else [len(ids) - 1]
         S = len(sample)
-        out = self.backend.step(np.array(ids, np.int32), np.array(pos, np.int32), np.array(qsl, np.int32),
-                                np.array(ctx, np.int32), bt, np.array(slots, np.int32), np.array(sample, np.int32),
-                                np.zeros(S, np.float32), np.ones(S, np.float32), np.zeros(S, np.int32),
-                                np.zeros(S, np.uint64), 0, True)
+        out = self.backend.step(StepInput(
+            input_ids=np.array(ids, np.int32), positions=np.array(pos, np.int32),
+            query_start_loc=np.array(qsl, np.int32), context_lens=np.array(ctx, np.int32), block_tables=bt,
+            slot_mapping=np.array(slots, np.int32), sample_idx=np.array(sample, np.int32),
+            temperature=np.zeros(S, np.float32), top_p=np.ones(S, np.float32), top_k=np.zeros(S, np.int32),
+            seeds=np.zeros(S, np.uint64), return_logits=True))
         res, r = [], 0
         for i, (toks, _, cached) in enumerate(seqs):
             n = len(toks) - cached if sample_all else 1

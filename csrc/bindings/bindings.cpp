@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cuda_profiler_api.h>
+
 #include <cstring>
 
 #include "../engine/engine.h"
@@ -145,6 +147,8 @@ PYBIND11_MODULE(_engine, m) {
     }
     return n;
   }, "number of visible CUDA devices (0 when there is no driver or GPU)");
+  m.def("profiler_start", [] { OI_CUDA_CHECK(cudaProfilerStart()); }, "start the profiler's capture (ncu --profile-from-start off)");
+  m.def("profiler_stop", [] { OI_CUDA_CHECK(cudaProfilerStop()); });
   m.def("cuda_archs", [] { return std::string(OI_CUDA_ARCHS); }, "the CUDA architectures this engine was built for");
 
   py::class_<Engine>(m, "Engine")
