@@ -1,5 +1,6 @@
 """`openinfer-serve`: flags, refusals, and a real server process on the tiny checkpoint (CPU)."""
 
+import argparse
 import os
 import signal
 import socket
@@ -17,7 +18,8 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))
 FLAGS = ["--model-path", "--host", "--port", "--served-model-name", "--gpu-memory-utilization",
          "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--cuda-graph", "--overlap-steps",
-         "--pdl", "--no-prefix-cache", "--kv-offload", "--kv-offload-host-gib", "--dflash-draft-model-path",
+         "--pdl", "--no-prefix-cache", "--enable-prefix-caching", "--kv-offload", "--kv-offload-host-gib",
+         "--dflash-draft-model-path", "--num-kv-blocks", "--persistent-decode", "--max-waiting-requests",
          "--api-key", "--log-level", "--device", "--load-format"]
 
 
@@ -43,11 +45,35 @@ def test_help_explains_every_flag():
         assert action.help, action.option_strings
 
 
-@pytest.mark.parametrize("args", [["--kv-offload"], ["--kv-offload-host-gib", "4"],
-                                  ["--dflash-draft-model-path", "models/draft"]])
-def test_unbuilt_features_refused(args):
-    r = cli(*args)
-    assert r.returncode != 0 and "not built yet" in r.stderr
+def test_flags_are_the_config_fields():
+    """Every option of EngineConfig and ServerConfig is a flag (its dest is the field), with the field's
+    help text and its one default shown once."""
+    import dataclasses
+
+    from openinfer.config import EngineConfig, ServerConfig
+    actions = {a.dest: a for a in build_parser()._actions
+               if a.option_strings and a.dest != "help" and not isinstance(a, argparse._StoreConstAction)}
+    for cls in (EngineConfig, ServerConfig):
+        for f in dataclasses.fields(cls):
+            if not f.init or f.metadata.get("hidden"):
+                continue
+            assert f.name in actions, f.name
+            assert actions[f.name].help.startswith(f.metadata["help"]), f.name
+            assert actions[f.name].help.count("(default:") <= 1, f.name
+
+
+def test_unbuilt_features_refused(tiny):
+    r = cli("--model-path", tiny, "--device", "cpu", "--dflash-draft-model-path", "models/draft")
+    assert r.returncode != 0 and "not built yet" in r.stderr and "--dflash-draft-model-path" in r.stderr
+
+
+@pytest.mark.parametrize("args,needle", [(["--kv-offload-host-gib", "4"], "--kv-offload-host-gib needs --kv-offload"),
+                                         (["--kv-offload"], "--kv-offload needs --kv-offload-host-gib"),
+                                         (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer")])
+def test_bad_options_name_the_flags(tiny, args, needle):
+    r = cli("--model-path", tiny, "--device", "cpu", *args)
+    assert r.returncode == 2 and needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
 def test_missing_model_dir_one_clear_message(tmp_path):

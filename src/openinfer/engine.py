@@ -99,7 +99,8 @@ class LLMEngine:
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
-        return self._inflight is not None or self.scheduler.has_unfinished()
+        """Requests to run, a step in flight, or host-tier copies not landed (their blocks are held)."""
+        return self._inflight is not None or self.scheduler.has_unfinished() or self.scheduler.copies_pending()
 
     def step(self, before_launch: Callable[[], None] | None = None) -> list[RequestUpdate]:
         """One step. `before_launch` runs after scheduling, right before the backend call (which

@@ -110,6 +110,10 @@ class HostTier:
         if e.pins == 0:
             self._lru[slot] = None  # most recently used
 
+    def pins(self, slot: int) -> int:
+        e = self._entries[slot]
+        return e.pins if e is not None else 0
+
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "duplicate slots in the free list"

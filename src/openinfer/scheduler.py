@@ -359,6 +359,10 @@ class Scheduler:
     def copies_in_flight(self) -> bool:
         return bool(self._saving or self._loading)
 
+    def copies_pending(self) -> bool:
+        """Saves still to issue, or copies in flight: the engine keeps stepping until none are left."""
+        return bool(self._saves) or self.copies_in_flight()
+
     def copies_landed(self, saves_upto: int, loads_upto: int) -> None:
         """The backend's copy_progress(): release what landed copies held; restored sequences may run."""
         while self._saving and self._saving[0].launch <= saves_upto:
@@ -436,6 +440,35 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = reason
         self._counters["num_finished"] += 1
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError when the bookkeeping is inconsistent: the block manager's and the host
+        tier's own invariants, and every block's references = the sequences holding it + the copies in
+        flight that hold it."""
+        self.bm.check_integrity()
+        refs = [0] * len(self.bm.blocks)
+        for seq in self.running:
+            for bid in seq.block_table:
+                refs[bid] += 1
+        pinned_slots: dict[int, int] = {}
+        for batch in [*self._saving, *self._pending_save_batches()]:
+            for bid, slot in batch.kv_save:
+                refs[bid] += 1
+                pinned_slots[slot] = pinned_slots.get(slot, 0) + 1
+        for batch in self._loading:
+            for r in batch.restores:
+                for slot, bid in r.blocks:
+                    refs[bid] += 1
+                    pinned_slots[slot] = pinned_slots.get(slot, 0) + 1
+        for b in self.bm.blocks[1:]:
+            assert b.ref_count == refs[b.id], f"block {b.id}: {b.ref_count} references, {refs[b.id]} holders"
+        if self.tier is not None:
+            self.tier.check_integrity()
+            for slot in range(self.tier.num_slots):
+                assert self.tier.pins(slot) == pinned_slots.get(slot, 0), f"host slot {slot}: pins != copies"
+
+    def _pending_save_batches(self) -> list[ScheduledBatch]:
+        return [ScheduledBatch(kv_save=self._saves)] if self._saves else []
 
     def stats(self) -> SchedulerStats:
         t = self.tier

@@ -1,0 +1,259 @@
+"""The host KV tier on the CPU backend: its bookkeeping, the write and read paths through the scheduler,
+restored bytes equal to what was saved, and the races the anchors hit (a block reused while its copy is in
+flight, leaks on abort), with every invariant checked after every step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from openinfer import EngineConfig, LLMEngine, SamplingParams
+from openinfer.block_manager import block_hash
+from openinfer.config import ConfigError
+from openinfer.host_tier import HostTier
+
+BS = 16
+
+
+def toks(n, base=1000):
+    return list(range(base, base + n))
+
+
+# ---- HostTier alone ----
+
+def _saved(tier, h, prev, t):
+    slot = tier.reserve(h, prev, t)
+    tier.landed(slot)
+    return slot
+
+
+def test_tier_matches_landed_chains_only():
+    tier = HostTier(4, BS)
+    a, b = toks(BS), toks(BS, 2000)
+    ha = block_hash(None, a)
+    hb = block_hash(ha, b)
+    sa = tier.reserve(ha, None, a)
+    assert tier.match(a + b + [1], None, 0, 2) == []  # saving: not matchable yet
+    tier.landed(sa)
+    sb = _saved(tier, hb, ha, b)
+    assert tier.match(a + b + [1], None, 0, 2) == [sa, sb]
+    assert tier.match(a + b + [1], None, 0, 1) == [sa]  # bounded by max_blocks
+    assert tier.match(a + b, ha, 1, 2) == [sb]  # continuing a chain that the GPU matched first
+    assert tier.match(toks(BS, 3000) + b, None, 0, 2) == []
+    assert tier.reserve(ha, None, a) is None  # already here
+    tier.check_integrity()
+
+
+def test_tier_full_evicts_least_recently_used_unpinned():
+    tier = HostTier(2, BS)
+    blocks = [toks(BS, 1000 * (i + 1)) for i in range(3)]
+    hashes = [block_hash(None, t) for t in blocks]
+    s0 = _saved(tier, hashes[0], None, blocks[0])
+    s1 = _saved(tier, hashes[1], None, blocks[1])
+    tier.pin(s0)  # a restore reads block 0: it may not go
+    s2 = tier.reserve(hashes[2], None, blocks[2])
+    assert s2 == s1 and hashes[1] not in tier and tier.evictions == 1
+    assert tier.reserve(block_hash(None, toks(BS, 9000)), None, toks(BS, 9000)) is None  # all busy
+    tier.unpin(s0)
+    tier.landed(s2)
+    tier.check_integrity()
+    assert tier.match(blocks[0], None, 0, 1) == [s0]
+
+
+# ---- through the engine (NumPy backend) ----
+
+@pytest.fixture
+def engine_of(tiny_dir):
+    made = []
+
+    def make(**kw):
+        opts = dict(device="cpu", num_kv_blocks=24, max_model_len=160, kv_offload=True, kv_offload_host_gib=0.01)
+        opts.update(kw)
+        eng = LLMEngine(EngineConfig(str(tiny_dir), **opts))
+        made.append(eng)
+        return eng
+    yield make
+    for e in made:
+        e.close()
+
+
+def run(eng, reqs, check=True, on_step=None):
+    """reqs: {rid: (prompt ids, SamplingParams)} added at once; returns {rid: output ids}."""
+    out = {rid: [] for rid in reqs}
+    for rid, (p, sp) in reqs.items():
+        eng.add_request(rid, p, sp)
+    for _ in range(2000):
+        if not eng.has_unfinished():
+            break
+        for u in eng.step():
+            out[u.request_id] += u.new_token_ids
+        if check:
+            eng.scheduler.check_integrity()
+        if on_step:
+            on_step(eng)
+    else:
+        raise AssertionError("did not finish")
+    return out
+
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def test_every_sealed_block_is_saved_and_bytes_match(engine_of):
+    eng = engine_of()
+    p = toks(70)  # 4 full blocks of the prompt, then the outputs
+    run(eng, {"a": (p, GREEDY)})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    tier, be = eng.host_tier, eng.backend
+    st = eng.stats()
+    assert st["offloaded_blocks"] == 4 and st["host_tier_blocks_used"] == 4
+    slots = tier.match(p, None, 0, 4)
+    assert len(slots) == 4
+    # the device blocks still hold the prompt (cached, not reused): the host copies are bit-identical
+    gpu = eng.block_manager.match_prefix(p, 4)
+    for bid, slot in zip(gpu, slots):
+        np.testing.assert_array_equal(be.host_kv[slot], be.kv_cache[bid])
+    eng.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_host_restore_equals_gpu_hit_equals_cold(engine_of, overlap):
+    """Pure host-restore mode (the GPU prefix cache off): the second request restores its prefix from the
+    host; its greedy output equals a GPU prefix hit's and a cold run's."""
+    p = toks(70)
+    cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None,
+                         overlap_steps=overlap), {"c": (p, GREEDY)})["c"]
+    gpu = engine_of(kv_offload=False, kv_offload_host_gib=None, overlap_steps=overlap)
+    run(gpu, {"warm": (p, GREEDY)})
+    hit = run(gpu, {"hit": (p, GREEDY)})["hit"]
+    assert gpu.stats()["prefix_cache_hit_tokens"] == 64
+    host = engine_of(enable_prefix_caching=False, overlap_steps=overlap)
+    run(host, {"first": (p, GREEDY)})
+    restored = run(host, {"again": (p, GREEDY)})["again"]
+    st = host.stats()
+    assert st["host_hit_tokens"] == 64 and st["prefix_cache_hit_tokens"] == 0 and st["restored_blocks"] == 4
+    assert restored == hit == cold
+    assert st["kv_blocks_used"] == 0
+
+
+def test_restore_lands_the_saved_bytes(engine_of):
+    eng = engine_of(enable_prefix_caching=False)
+    p = toks(40)
+    run(eng, {"a": (p, GREEDY)})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    slots = eng.host_tier.match(p, None, 0, 2)
+    saved = [eng.backend.host_kv[s].copy() for s in slots]
+    eng.backend.kv_cache[:] = 0  # whatever b reads of its prefix must come from the host
+    eng.add_request("b", p, GREEDY)
+    eng.step()  # admitted: the restore goes out with this step
+    seq = eng.scheduler.requests["b"]
+    eng.backend.wait_copies()
+    for bid, data in zip(seq.block_table[:2], saved):
+        np.testing.assert_array_equal(eng.backend.kv_cache[bid], data)
+
+
+def test_block_in_flight_is_never_reused(engine_of, tiny_dir):
+    """The race the anchors hit: a device block reused while its save is still in flight. Copies land
+    three launches late here (their bytes move only then), and the GPU pool is so small that the next
+    request must take the finished one's blocks: it has to wait for the saves, and what lands in the host
+    tier is the first request's K/V, not the second's."""
+    eng = engine_of(num_kv_blocks=7, enable_prefix_caching=False)  # 6 usable blocks
+    eng.backend.copy_latency = 3
+    a, b = toks(80), toks(80, 5000)  # 5 blocks each + the outputs: one at a time
+    run(eng, {"a": (a, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})
+    run(eng, {"b": (b, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    ref = engine_of(num_kv_blocks=16, enable_prefix_caching=True, kv_offload=False, kv_offload_host_gib=None)
+    run(ref, {"a": (a, GREEDY)})
+    want = [ref.backend.kv_cache[bid] for bid in ref.block_manager.match_prefix(a, 5)]
+    got = [eng.backend.host_kv[s] for s in eng.host_tier.match(a, None, 0, 5)]
+    assert len(got) == 5
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+
+
+def test_abort_during_restore_leaks_nothing(engine_of):
+    eng = engine_of(enable_prefix_caching=False)
+    eng.backend.copy_latency = 5
+    p = toks(70)
+    run(eng, {"a": (p, GREEDY)})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    eng.add_request("b", p, GREEDY)
+    eng.step()  # b admitted, its restore in flight
+    assert eng.scheduler.requests["b"].restoring
+    assert eng.abort_request("b")
+    eng.scheduler.check_integrity()  # the restore's blocks stay held by the copy, not by b
+    for _ in range(8):
+        eng.step()
+        eng.scheduler.check_integrity()
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    eng.scheduler.check_integrity()
+    st = eng.stats()
+    assert st["kv_blocks_used"] == 0 and eng.host_tier.num_used == 4
+    assert all(eng.host_tier.pins(s) == 0 for s in range(eng.host_tier.num_slots))
+
+
+def test_host_tier_full_evicts_lru(engine_of):
+    eng = engine_of(enable_prefix_caching=False, kv_offload_host_gib=0.002)
+    n = eng.host_tier.num_slots
+    prompts = [toks(16 * 3 + 1, 1000 * (i + 1)) for i in range(n)]  # 3 blocks each: n / 3 fit
+    for i, p in enumerate(prompts):
+        run(eng, {f"r{i}": (p, SamplingParams(max_tokens=1, temperature=0.0))})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    st = eng.stats()
+    assert st["host_tier_blocks_used"] == n and st["host_tier_evictions"] == 3 * n - n
+    assert eng.host_tier.match(prompts[-1], None, 0, 3) != [] and eng.host_tier.match(prompts[0], None, 0, 3) == []
+    eng.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_traffic_with_offload(engine_of, seed):
+    """Shared prefixes, aborts, late copies and a pool too small for them all: every invariant holds after
+    every step (references = holders, host pins = copies in flight), greedy outputs equal a run without the
+    tier, and nothing is held at the end."""
+    rng = np.random.default_rng(seed)
+    prefixes = [toks(int(n), 3000 + 200 * i) for i, n in enumerate(rng.integers(16, 70, 3))]
+    reqs = {}
+    for i in range(14):
+        p = prefixes[rng.integers(3)] + toks(int(rng.integers(1, 30)), 7000 + 50 * i)
+        reqs[f"q{i}"] = (p, SamplingParams(max_tokens=int(rng.integers(1, 12)), temperature=0.0, ignore_eos=True))
+    plain = engine_of(num_kv_blocks=64, kv_offload=False, kv_offload_host_gib=None)
+    want = {rid: run(plain, {rid: r})[rid] for rid, r in reqs.items()}
+    eng = engine_of(num_kv_blocks=20, enable_prefix_caching=bool(seed % 2), overlap_steps=seed < 2)
+    eng.backend.copy_latency = int(rng.integers(0, 4))
+    got, aborted = {}, set()
+    for rid, r in reqs.items():  # one after another (each may hit the ones before), a random abort now and then
+        got.update(run(eng, {rid: r}))
+        if rng.random() < 0.2:
+            eng.add_request(rid + "x", *r)
+            eng.step()
+            eng.abort_request(rid + "x")
+            aborted.add(rid)
+            eng.scheduler.check_integrity()
+    assert got == want
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    eng.scheduler.check_integrity()
+    assert eng.stats()["kv_blocks_used"] == 0
+
+
+# ---- configuration ----
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(kv_offload_host_gib=4), "kv_offload_host_gib needs kv_offload"),
+    (dict(kv_offload=True), "kv_offload needs kv_offload_host_gib"),
+    (dict(kv_offload=True, kv_offload_host_gib=0), "must be a positive number"),
+    (dict(kv_offload=True, kv_offload_host_gib=1e6), "more than this machine's memory"),
+    (dict(kv_offload=True, kv_offload_host_gib=1e-4, max_model_len=2048), "fewer blocks than one request"),
+])
+def test_bad_offload_configuration_one_sentence(tiny_dir, kw, needle):
+    with pytest.raises(ConfigError) as e:
+        EngineConfig(str(tiny_dir), device="cpu", **kw)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+    flags = e.value.render(lambda name: "--" + name.replace("_", "-"))
+    assert "--kv-offload" in flags
