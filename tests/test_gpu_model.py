@@ -214,6 +214,36 @@ def test_greedy_identical_to_hf_bf16_for_4_of_5(pair):
     assert _greedy(pair)["openinfer_identical"] >= 4
 
 
+@torch.inference_mode()
+def test_tap_layers_match_hf_hidden_states(pair):
+    """StepInput.tap_layers: the residual stream after layer l (HF's hidden_states[l + 1]; the last one
+    HF returns is after the final norm, so layers up to L - 2), at every token of a prompt, within 1.5x
+    HF bf16's own error against HF fp32."""
+    ids = pair.prompts[2]
+    L = pair.engine.llm_engine.model_config.num_hidden_layers
+    taps = [1, L // 2, L - 2]
+    blocks = pair.blocks(len(ids))
+    n = len(ids)
+    pos = np.arange(n, dtype=np.int32)
+    out = pair.backend.step(StepInput(
+        input_ids=np.array(ids, np.int32), positions=pos, query_start_loc=np.array([0, n], np.int32),
+        context_lens=np.array([n], np.int32), block_tables=np.array([blocks], np.int32),
+        slot_mapping=(np.array(blocks)[pos // 16] * 16 + pos % 16).astype(np.int32),
+        sample_idx=np.array([n - 1], np.int32), temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32),
+        top_k=np.zeros(1, np.int32), seeds=np.zeros(1, np.uint64), tap_layers=np.array(taps, np.int32),
+        tap_rows=np.arange(n, dtype=np.int32)))
+    x = torch.tensor([ids], device="cuda")
+    h32 = pair.hf32(x, output_hidden_states=True).hidden_states
+    h16 = pair.hf16(x, output_hidden_states=True).hidden_states
+    errs = {}
+    for k, l in enumerate(taps):
+        want, hf = h32[l + 1][0].float().cpu().numpy(), h16[l + 1][0].float().cpu().numpy()
+        errs[l] = (rel_err(out.hidden[:, k], want), rel_err(hf, want))
+    REPORT.setdefault(pair.dir.name, {})["tap_layers_rel_err"] = {str(l): e for l, e in errs.items()}
+    for l, (ours, hf) in errs.items():
+        assert ours <= 1.5 * hf, (l, ours, hf)
+
+
 def test_chunked_prefill_equals_one_shot(pair):
     ids = pair.prompts[2] * 4  # ~80 tokens, crosses several block edges
     h32 = pair.hf_logits(pair.hf32, ids)[-1]
