@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 
 from .backend import StepOutput
 from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 
 
 class RequestRejected(ValueError):
