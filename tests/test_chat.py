@@ -9,6 +9,7 @@ import pytest
 from openinfer.chat import (ChatError, ChatOutputParser, ChatTemplate, ReasoningStreamParser,
                             ToolCallStreamParser, normalize_messages, normalize_tools,
                             parse_reasoning, parse_tool_calls)
+from openinfer.model_files import ModelFiles
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "src/openinfer/data/qwen3-tokenizer"
 
@@ -20,7 +21,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def tmpl():
-    return ChatTemplate.from_model_dir(str(TOKENIZER_DIR))
+    return ChatTemplate(ModelFiles.read(TOKENIZER_DIR).chat_template)
 
 
 def render(tmpl, messages, tools=None, **kw):

@@ -706,7 +706,8 @@ def test_chat_logprob_bytes_are_the_tokens_own():
     """A character split over two tokens: each token's `bytes` are its own, and together they make the
     character (its text alone is U+FFFD)."""
     from openinfer.server.app import _chat_logprobs
-    from openinfer.tokenizer import Tokenizer, BUNDLED_TOKENIZER_DIR
+    from openinfer.model_files import BUNDLED_TOKENIZER_DIR
+    from openinfer.tokenizer import Tokenizer
     tok = Tokenizer.from_model_dir(BUNDLED_TOKENIZER_DIR)
     ids = tok.encode("\U0001D518")  # MATHEMATICAL FRAKTUR CAPITAL U: more than one byte-level token
     assert len(ids) > 1

@@ -15,7 +15,7 @@ def test_readme_encodings(tokenizer):
     for text, i in SPECIAL.items():
         assert tokenizer.encode(text) == [i], text
     assert tokenizer.encode("<|im_start|>user\nhi<|im_end|>")[:3] == [151644, 872, 198]
-    assert tokenizer.eos_token_ids == (151645,) and tokenizer.chat_template
+    assert tokenizer.eos_token_ids == (151645,) and tokenizer.files.chat_template
 
 
 def test_bundled_fallback(tmp_path):

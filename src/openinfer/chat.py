@@ -1,8 +1,8 @@
 """Chat template rendering, tool-call parsing and reasoning parsing for Qwen3 chat output.
 
-The template is the model directory's own (tokenizer_config.json `chat_template`), rendered with a
-sandboxed jinja2 environment set up the way Hugging Face's `apply_chat_template` sets it up, so a
-prompt here is byte-identical to the one the model was trained on.
+The template is the model directory's own (`ModelFiles.chat_template`), rendered with a sandboxed
+jinja2 environment set up the way Hugging Face's `apply_chat_template` sets it up, so a prompt here
+is byte-identical to the one the model was trained on.
 
 The parsers are streaming state machines; the non-streaming functions run the same machine once
 over the whole text, so a stream's concatenated deltas always equal the non-streaming result,
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -67,21 +66,6 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
         self._template = env.from_string(source)
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str) -> "ChatTemplate":
-        path = os.path.join(model_dir, "tokenizer_config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                source = json.load(f).get("chat_template")
-        except OSError as e:
-            raise FileNotFoundError(f"{path}: cannot read ({e})") from e
-        if isinstance(source, list):  # HF allows named templates: [{"name", "template"}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-        if not isinstance(source, str) or not source:
-            raise ValueError(f"{path} has no chat_template")
-        return cls(source)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = True, extra: dict[str, Any] | None = None, **kwargs: Any) -> str:

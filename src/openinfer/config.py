@@ -4,10 +4,11 @@ Environment variables are read here and nowhere else (see `ENV_VARS`).
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .model_files import ModelFiles
 
 # Every environment variable the package reads, with its meaning. Nothing else calls os.environ.
 ENV_VARS = {
@@ -94,10 +95,8 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        p = check_model_dir(path)
-        d = json.loads((p / "config.json").read_text())
-        gen = p / "generation_config.json"
-        return cls.from_dict(d, json.loads(gen.read_text()) if gen.is_file() else None)
+        files = ModelFiles.read(check_model_dir(path))
+        return cls.from_dict(files.config, files.generation_config)
 
     @property
     def q_size(self) -> int:

@@ -1,25 +1,23 @@
 """Tokenizer wrapper (`tokenizers` library); incremental detokenization is in detokenizer.py."""
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-log = logging.getLogger("openinfer")
+from .model_files import ModelFiles
 
-BUNDLED_TOKENIZER_DIR = Path(__file__).parent / "data" / "qwen3-tokenizer"
+log = logging.getLogger("openinfer")
 
 
 class Tokenizer:
-    def __init__(self, hf: _HFTokenizer, config: dict | None = None):
+    def __init__(self, hf: _HFTokenizer, files: ModelFiles):
         self._tok = hf
-        self.config = config or {}  # tokenizer_config.json: chat_template, eos_token, ...
-        self.chat_template: str | None = self.config.get("chat_template")
+        self.files = files  # what it was read from; the server takes its chat template and defaults there
         self.vocab_size = hf.get_vocab_size(with_added_tokens=True)
-        eos = self.config.get("eos_token")
+        eos = files.tokenizer_config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         eos_id = hf.token_to_id(eos) if eos else None
         self.eos_token_ids: tuple[int, ...] = (eos_id,) if eos_id is not None else ()
@@ -65,15 +63,14 @@ class Tokenizer:
         return table
 
     @classmethod
+    def from_files(cls, files: ModelFiles) -> "Tokenizer":
+        if files.tokenizer_dir != files.path:
+            log.info("no tokenizer.json in %s: using the bundled Qwen3 tokenizer", files.path)
+        return cls(_HFTokenizer.from_file(str(files.tokenizer_dir / "tokenizer.json")), files)
+
+    @classmethod
     def from_model_dir(cls, path: str | Path) -> "Tokenizer":
-        p = Path(path)
-        if not (p / "tokenizer.json").is_file():
-            # random-weight directories may carry only config.json: the bundled Qwen3 files fit them
-            log.info("no tokenizer.json in %s: using the bundled Qwen3 tokenizer", p)
-            p = BUNDLED_TOKENIZER_DIR
-        cfg_path = p / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
-        return cls(_HFTokenizer.from_file(str(p / "tokenizer.json")), cfg)
+        return cls.from_files(ModelFiles.read(path))
 
     def encode(self, text: str) -> list[int]:
         # Qwen3 adds no BOS; special-token strings in the text map to their ids.

@@ -15,7 +15,6 @@ import json
 import logging
 import time
 import uuid
-from pathlib import Path
 from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
@@ -635,16 +634,6 @@ async def _http_error(request: Request, exc: HTTPException) -> Response:
                            code=code))
 
 
-def _generation_defaults(engine: Any) -> dict:
-    path = Path(getattr(engine.config, "model_path", "") or "/nonexistent") / "generation_config.json"
-    try:
-        d = sampling_defaults(json.loads(path.read_text()))
-    except (OSError, ValueError):
-        return {}
-    log.info("sampling defaults from %s: %s", path, d)
-    return d
-
-
 class _TrailingSlash:
     """Serves '/v1/completions/' as '/v1/completions'. Starlette would answer 307 to the path without the
     slash, and HTTP clients do not repeat a POST after a redirect by default."""
@@ -665,13 +654,17 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     """The ASGI app over a constructed LLMEngine; the engine loop starts with the app's lifespan."""
     ae = AsyncEngine(engine)
     tok = engine.tokenizer
-    if chat_template is None and getattr(tok, "chat_template", None):
-        chat_template = ChatTemplate(tok.chat_template)
+    files = tok.files  # the model directory's files, as the engine's tokenizer read them
+    if chat_template is None and files.chat_template:
+        chat_template = ChatTemplate(files.chat_template)
+    defaults = sampling_defaults(files.generation_config)
+    if defaults:
+        log.info("sampling defaults from %s: %s", files.path / "generation_config.json", defaults)
     st = ServerState(engine=ae, tokenizer=tok, template=chat_template, model_name=served_model_name,
                      max_model_len=engine.config.max_model_len,
                      vocab_size=engine.model_config.vocab_size, api_key=api_key,
                      max_body_bytes=max_body_bytes, metrics=Metrics(ae, served_model_name),
-                     defaults=_generation_defaults(engine))
+                     defaults=defaults)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
