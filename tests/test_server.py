@@ -644,10 +644,10 @@ def test_completions_n_choices(server, client):
     sizes, whose kernels differ in the logits' last bits, and a random-weight model's near-flat
     distributions turn that into a different sample.)"""
     from openinfer import SamplingParams
-    from openinfer.server.app import _choices
+    from openinfer.sampling_params import choice_params
 
     base = SamplingParams(temperature=1.0, seed=123, max_tokens=8)
-    ps = _choices(base, 3)
+    ps = choice_params(base, 3)
     assert ps[0] == base and len({p.seed for p in ps}) == 3 and all(p.temperature == 1.0 for p in ps)
     kw = dict(model=NAME, max_tokens=8, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
     prompts = ["Once upon a time", "The weather today"]

@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 import anyio
@@ -29,10 +29,10 @@ from starlette.routing import Route
 from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatDelta, ChatError, ChatOutputParser,
                     ChatTemplate, loads_text_json, normalize_messages, normalize_tools)
 from ..engine import QueueFull, RequestRejected
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, choice_params
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
 from .metrics import CONTENT_TYPE, Metrics, RequestTimer
-from .protocol import APIError, GenParams, bad, model_field, parse_chat, parse_completion, sampling_defaults
+from .protocol import APIError, bad, model_field, parse_chat, parse_completion, sampling_defaults
 
 log = logging.getLogger("openinfer.server")
 
@@ -116,25 +116,6 @@ def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param:
                   f"requested {want} tokens ({n_prompt} in the prompt, {max_tokens or 1} for the "
                   "completion). Please reduce the prompt or max_tokens.", param,
                   "context_length_exceeded")
-
-
-def _choices(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """The n choices' parameters: with a seed, choice j > 0 samples with its own seed derived from it
-    (the same seed would repeat choice 0); without one the engine draws each request's own."""
-    if params.seed is None:
-        return [params] * n
-    return [params] + [replace(params, seed=(params.seed + j * 0x9E3779B97F4A7C15) % 2**64)
-                       for j in range(1, n)]
-
-
-def _sampling_params(gen: GenParams) -> SamplingParams:
-    try:
-        return SamplingParams(max_tokens=gen.max_tokens, temperature=gen.temperature,
-                              top_p=gen.top_p, top_k=gen.top_k, seed=gen.seed, stop=gen.stop,
-                              stop_token_ids=gen.stop_token_ids, ignore_eos=gen.ignore_eos,
-                              logprobs=gen.logprobs, skip_special_tokens=gen.skip_special_tokens)
-    except ValueError as e:
-        raise bad(str(e)) from None
 
 
 async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
@@ -422,15 +403,15 @@ async def completions(st: ServerState, request: Request) -> Response:
     prompts = await _off_loop(request.state.body_bytes, lambda: [
         _check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p) for p in req.prompts])
     for ids in prompts:
-        _check_length(st, len(ids), req.gen.max_tokens, "prompt")
+        _check_length(st, len(ids), req.gen.sampling.max_tokens, "prompt")
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
     # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
-    per = _choices(_sampling_params(req.gen), req.gen.n)
+    per = choice_params(req.gen.sampling, req.gen.n)
     prompts = [p for p in prompts for _ in range(req.gen.n)]
     group = await _submit(st, prompts, per * (len(prompts) // req.gen.n), "prompt")
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in prompts]
-    want_lp = req.gen.logprobs is not None
+    want_lp = req.gen.sampling.logprobs is not None
 
     def chunk(choices, usage=None):
         c = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
@@ -556,13 +537,13 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     _check_model(st, req.model)
     prompt, how = await _off_loop(request.state.body_bytes, _render_chat, st, req)
     ids = await _off_loop(len(prompt), st.tokenizer.encode, prompt)
-    _check_length(st, len(ids), req.gen.max_tokens, "messages")
+    _check_length(st, len(ids), req.gen.sampling.max_tokens, "messages")
     n = req.gen.n
-    group = await _submit(st, [ids] * n, _choices(_sampling_params(req.gen), n), "messages")
+    group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages")
     choices = [_ChatChoice(how, req.parallel_tool_calls) for _ in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in range(n)]
-    want_lp = req.gen.logprobs is not None
+    want_lp = req.gen.sampling.logprobs is not None
 
     if req.gen.stream:
         def chunk(i, delta, fr=None, lp=None, usage=None, choices=True):
