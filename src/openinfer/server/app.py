@@ -26,8 +26,8 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from ..chat import (THINK_END, THINK_START, TOOL_CALL_START, ChatDelta, ChatError, ChatOutputParser,
-                    ChatTemplate, loads_text_json, normalize_messages, normalize_tools)
+from ..chat import (ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemplate, chat_prompt,
+                    loads_text_json)
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams, choice_params
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
@@ -332,34 +332,12 @@ async def _off_loop(size: int, fn, *args):
     return await anyio.to_thread.run_sync(fn, *args)
 
 
-def _render_chat(st: ServerState, req) -> tuple[str, dict]:
-    """Prompt text for a chat request, plus how to parse the model's output."""
+def _chat_prompt(st: ServerState, req) -> ChatPrompt:
     if st.template is None:
         raise bad("this model has no chat template; use /v1/completions", "messages")
-    messages = normalize_messages(req.messages)
-    tools = normalize_tools(req.tools) if req.tool_choice != "none" else None
-    if req.named_tool and tools:  # the model sees only the function it must call
-        tools = [t for t in tools if t["function"]["name"] == req.named_tool]
-    prompt = st.template.render(messages, tools, add_generation_prompt=req.add_generation_prompt,
-                                extra=req.template_kwargs, enable_thinking=req.enable_thinking)
-    tail = prompt.rstrip()
-    reasoning = not tail.endswith(THINK_END)  # enable_thinking=False closed the block already
-    prefill = ""
-    if (req.named_tool or (req.tool_choice == "required" and tools)) and req.add_generation_prompt:
-        # A forced call: the answer opens with the call, written by us (a named function: its name
-        # too, and the model writes the arguments; "required": the model picks the function). The
-        # parser sees the prefill as if the model had written it. A template that thinks gets its
-        # think block closed empty first, as its enable_thinking=False form does, so that the call
-        # comes where the model would write it.
-        if reasoning and THINK_START in st.template.source:
-            opened = tail.endswith(THINK_START)
-            prompt = (tail if opened else prompt + THINK_START) + "\n\n" + THINK_END + "\n\n"
-        prefill = TOOL_CALL_START + "\n"
-        if req.named_tool:
-            prefill += json.dumps({"name": req.named_tool})[:-1] + ", \"arguments\": "
-        reasoning = False
-    return prompt + prefill, {"reasoning": reasoning, "started_in_think": tail.endswith(THINK_START),
-                              "tools": tools is not None, "prefill": prefill}
+    return chat_prompt(st.template, req.messages, req.tools, req.tool_choice, req.named_tool,
+                       add_generation_prompt=req.add_generation_prompt,
+                       enable_thinking=req.enable_thinking, template_kwargs=req.template_kwargs)
 
 
 async def tokenize(st: ServerState, request: Request) -> Response:
@@ -370,7 +348,7 @@ async def tokenize(st: ServerState, request: Request) -> Response:
     if "messages" in body:
         req = parse_chat({k: v for k, v in body.items() if k in (
             "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")})
-        text, _ = await _off_loop(request.state.body_bytes, _render_chat, st, req)
+        text = (await _off_loop(request.state.body_bytes, _chat_prompt, st, req)).text
     elif isinstance(body.get("prompt"), str):
         text = body["prompt"]
     else:
@@ -486,39 +464,17 @@ def _delta_json(d, tool_index: int) -> tuple[dict, int]:
 class _ChatChoice:
     """One choice of a chat completion: its output parser and what it produced."""
 
-    def __init__(self, how: dict, parallel_tool_calls: bool):
-        self.parser = ChatOutputParser(reasoning=how["reasoning"], tools=how["tools"],
-                                       started_in_think=how["started_in_think"],
-                                       max_tool_calls=None if parallel_tool_calls else 1)
-        if how["prefill"]:
-            self.parser.feed(how["prefill"])  # held inside the open tag: yields nothing
-        # A forced call that does not complete comes back as content, led by that prefill, which the
-        # model never wrote: it is cut from the first content (nothing else can come before it). Once
-        # the parser gives a call or content, the prefill has been accounted for.
-        self.cut = how["prefill"]
+    def __init__(self, parser: ChatOutputParser):
+        self.parser = parser
         self.tool_index = 0  # tool calls streamed so far
         self.got: list[ChatDelta] = []  # non-streamed: the parser's output per update
         self.rows: list = []  # non-streamed: logprob rows
         self.finish: str | None = None
 
-    def _own(self, d: ChatDelta) -> ChatDelta:
-        if self.cut and (d.content or d.tool_calls):
-            d.content, self.cut = d.content.removeprefix(self.cut), ""
-        return d
-
-    def feed(self, text: str) -> ChatDelta:
-        return self._own(self.parser.feed(text))
-
-    def end(self) -> ChatDelta:
-        return self._own(self.parser.finish())
-
-    def finish_reason(self, reason: str | None) -> str | None:
-        return "tool_calls" if self.parser.num_tool_calls and reason == "stop" else reason
-
     def message(self, index: int, tok, want_lp: bool) -> dict:
         """The non-streamed choice."""
         d = ChatDelta()
-        for g in self.got + [self.end()]:
+        for g in self.got + [self.parser.finish()]:
             d = d.join(g)
         message: dict = {"role": "assistant",
                          "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
@@ -527,7 +483,7 @@ class _ChatChoice:
             message["reasoning_content"] = d.reasoning
         if d.tool_calls:
             message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
-        return {"index": index, "message": message, "finish_reason": self.finish_reason(self.finish),
+        return {"index": index, "message": message, "finish_reason": self.parser.finish_reason(self.finish),
                 "logprobs": {"content": _chat_logprobs(tok, self.rows)} if want_lp else None}
 
 
@@ -535,12 +491,12 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
     t0 = now()
     req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
     _check_model(st, req.model)
-    prompt, how = await _off_loop(request.state.body_bytes, _render_chat, st, req)
-    ids = await _off_loop(len(prompt), st.tokenizer.encode, prompt)
+    prompt = await _off_loop(request.state.body_bytes, _chat_prompt, st, req)
+    ids = await _off_loop(len(prompt.text), st.tokenizer.encode, prompt.text)
     _check_length(st, len(ids), req.gen.sampling.max_tokens, "messages")
     n = req.gen.n
     group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages")
-    choices = [_ChatChoice(how, req.parallel_tool_calls) for _ in range(n)]
+    choices = [_ChatChoice(prompt.parser(req.parallel_tool_calls)) for _ in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in range(n)]
     want_lp = req.gen.sampling.logprobs is not None
@@ -564,10 +520,10 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     c = choices[i]
                     timers[i].tokens_arrived(len(u.new_token_ids), now())
                     n_gen += len(u.new_token_ids)
-                    delta, c.tool_index = _delta_json(c.feed(u.new_text), c.tool_index)
+                    delta, c.tool_index = _delta_json(c.parser.feed(u.new_text), c.tool_index)
                     done = u.finished or c.parser.capped  # capped: the one call allowed is out
                     if done:
-                        tail, c.tool_index = _delta_json(c.end(), c.tool_index)
+                        tail, c.tool_index = _delta_json(c.parser.finish(), c.tool_index)
                         for k, v in tail.items():
                             delta[k] = delta[k] + v if k in delta else v
                     rows = _logprob_rows(u) if want_lp else []
@@ -576,7 +532,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                         yield _sse(chunk(i, delta, lp=lp))
                     if done:
                         timers[i].finish()
-                        yield _sse(chunk(i, {}, fr=c.finish_reason(u.finish_reason if u.finished else "stop")))
+                        yield _sse(chunk(i, {}, fr=c.parser.finish_reason(u.finish_reason if u.finished else "stop")))
                         group.abort(i)  # capped: what the model would still write is not wanted
                 if req.gen.include_usage:
                     yield _sse(chunk(0, None, usage=_usage(len(ids), n_gen), choices=False))
@@ -591,7 +547,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
         nonlocal n_gen
         c = choices[i]
         timers[i].tokens_arrived(len(u.new_token_ids), now())
-        c.got.append(c.feed(u.new_text))
+        c.got.append(c.parser.feed(u.new_text))
         n_gen += len(u.new_token_ids)
         if want_lp:
             c.rows.extend(_logprob_rows(u))
