@@ -35,6 +35,10 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param=param, code=code)
 
 
+def internal(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
+
+
 # Unsupported fields and the value(s) that mean "off" (accepted and ignored).
 _UNSUPPORTED_COMMON = {
     "presence_penalty": (None, 0, 0.0),
