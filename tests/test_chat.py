@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 
 from openinfer.chat import (ChatError, ChatOutputParser, ChatTemplate, ReasoningStreamParser,
-                            ToolCallStreamParser, normalize_messages, normalize_tools,
+                            ToolCallStreamParser, chat_prompt, normalize_messages, normalize_tools,
                             parse_reasoning, parse_tool_calls)
+from openinfer.model_files import ModelFiles
 
 TOKENIZER_DIR = Path(__file__).resolve().parents[1] / "src/openinfer/data/qwen3-tokenizer"
 
@@ -20,7 +21,7 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def tmpl():
-    return ChatTemplate.from_model_dir(str(TOKENIZER_DIR))
+    return ChatTemplate(ModelFiles.read(TOKENIZER_DIR).chat_template)
 
 
 def render(tmpl, messages, tools=None, **kw):
@@ -268,3 +269,73 @@ def test_chat_output_parser_reasoning_then_tool_call_streamed():
         assert "".join(d.reasoning for d in deltas) == "Need weather."
         assert "".join(d.content for d in deltas) == ""
         assert [c.arguments for d in deltas for c in d.tool_calls] == ['{"city": "Oslo"}']
+
+
+# ----------------------------------------------------------------------------- policy
+
+USER = [{"role": "user", "content": "Weather in Oslo?"}]
+
+
+def answer(prompt, text, **kw):
+    """The parsed answer when the model writes `text` after the prompt, streamed in two pieces."""
+    p = prompt.parser(**kw)
+    deltas = [p.feed(text[:5]), p.feed(text[5:]), p.finish()]
+    d = deltas[0].join(deltas[1]).join(deltas[2])
+    return d, p
+
+
+def test_policy_auto_reads_reasoning_and_calls(tmpl):
+    pr = chat_prompt(tmpl, USER, [WEATHER])
+    assert pr.text == render(tmpl, USER, [WEATHER]) and pr.prefill == ""
+    assert pr.reasoning and pr.tools and not pr.started_in_think
+    d, p = answer(pr, "<think>\nhm\n</think>\n\n" + tc("get_weather", {"city": "Oslo"}))
+    assert d.reasoning == "hm" and d.content == "" and d.tool_calls[0].name == "get_weather"
+    assert p.finish_reason("stop") == "tool_calls" and p.finish_reason("length") == "length"
+
+
+def test_policy_none_hides_tools_and_parses_no_calls(tmpl):
+    pr = chat_prompt(tmpl, USER, [WEATHER], "none")
+    assert pr.text == render(tmpl, USER) and not pr.tools
+    call = tc("get_weather", {"city": "Oslo"})
+    d, p = answer(pr, call)
+    assert d.content == call and not d.tool_calls and p.finish_reason("stop") == "stop"
+
+
+def test_policy_required_closes_the_think_block_and_opens_a_call(tmpl):
+    pr = chat_prompt(tmpl, USER, [WEATHER], "required")
+    assert pr.text == render(tmpl, USER, [WEATHER], enable_thinking=False) + "<tool_call>\n"
+    assert pr.prefill == "<tool_call>\n" and not pr.reasoning
+    d, _ = answer(pr, json.dumps({"name": "get_weather", "arguments": {"city": "Oslo"}}) + "\n</tool_call>")
+    assert d.content == "" and d.tool_calls[0].arguments == '{"city": "Oslo"}'
+
+
+def test_policy_named_function_writes_its_name_and_shows_only_it(tmpl):
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {}}}
+    pr = chat_prompt(tmpl, USER, [WEATHER, other], {"type": "function", "function": {"name": "get_weather"}},
+                     "get_weather")
+    assert "get_time" not in pr.text
+    assert pr.text.endswith('<tool_call>\n{"name": "get_weather", "arguments": ')
+    d, _ = answer(pr, '{"city": "Oslo"}}\n</tool_call>')
+    assert [(c.name, c.arguments) for c in d.tool_calls] == [("get_weather", '{"city": "Oslo"}')]
+    # cut short (max_tokens): content, as the model wrote it, without the prefill it never wrote
+    d, _ = answer(pr, '{"city": "Os')
+    assert d.content == '{"city": "Os' and not d.tool_calls
+
+
+def test_policy_forced_call_needs_a_generation_prompt(tmpl):
+    pr = chat_prompt(tmpl, USER, [WEATHER], "required", add_generation_prompt=False)
+    assert pr.prefill == "" and pr.text == render(tmpl, USER, [WEATHER], add_generation_prompt=False)
+
+
+def test_policy_enable_thinking_false_reads_no_reasoning(tmpl):
+    pr = chat_prompt(tmpl, USER, enable_thinking=False)
+    assert not pr.reasoning and not pr.tools
+    d, _ = answer(pr, "<think>x</think>Hi")
+    assert d.reasoning == "" and d.content == "<think>x</think>Hi"
+
+
+def test_policy_parallel_tool_calls_false_keeps_the_first(tmpl):
+    pr = chat_prompt(tmpl, USER, [WEATHER])
+    two = tc("get_weather", {"city": "Oslo"}) + tc("get_weather", {"city": "Rome"})
+    d, p = answer(pr, two, parallel_tool_calls=False)
+    assert len(d.tool_calls) == 1 and p.capped

@@ -91,9 +91,10 @@ def test_engine_config_validation(tmp_path):
 
 
 def test_sampling_params_validation():
+    # the whole table of verdicts, the same as the server's: tests/test_validation.py
     for kw, field in [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"),
-                      ({"top_p": 1.5}, "top_p"), ({"top_k": 1.5}, "top_k"), ({"seed": -1}, "seed"),
-                      ({"logprobs": 21}, "logprobs"), ({"stop": [""]}, "stop"), ({"stop_token_ids": [-2]}, "stop_token_ids")]:
+                      ({"top_p": 1.5}, "top_p"), ({"top_k": 1.5}, "top_k"), ({"seed": -2**63 - 1}, "seed"),
+                      ({"logprobs": 21}, "logprobs"), ({"stop": [5]}, "stop"), ({"stop_token_ids": [-2]}, "stop_token_ids")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(temperature=0).greedy

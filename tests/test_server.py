@@ -580,7 +580,7 @@ def test_client_gone_while_sending_its_body_is_not_an_error(server):
 def test_health_answers_while_a_prompt_is_tokenized(server):
     """Tokenizing (and rendering) a large body runs off the event loop: a body that takes seconds to
     tokenize does not stall every other request (a fuzzing pass saw /health wait 11 s). Small bodies
-    are tokenized inline (app._INLINE_BYTES)."""
+    are tokenized inline (routes._INLINE_BYTES)."""
     tok = server.state.tokenizer
     started = threading.Event()
 
@@ -591,8 +591,8 @@ def test_health_answers_while_a_prompt_is_tokenized(server):
 
     tok.encode = slow_encode
     try:
-        from openinfer.server import app
-        big = "slow " * (app._INLINE_BYTES // 5 + 1)
+        from openinfer.server import routes
+        big = "slow " * (routes._INLINE_BYTES // 5 + 1)
         slow = threading.Thread(target=post, args=(server, "/tokenize", {"prompt": big}))
         slow.start()
         assert started.wait(10)
@@ -610,7 +610,7 @@ def test_small_bodies_tokenize_inline_large_ones_in_a_worker_thread(server):
     with the engine loop: 8% fewer requests per second at concurrency 64); a large body, or many small
     prompts that add up to one, goes to a worker thread. The prompts are then refused as too long, so
     nothing is generated."""
-    from openinfer.server import app
+    from openinfer.server import routes
     tok = server.state.tokenizer
     seen: list[str] = []
 
@@ -627,8 +627,8 @@ def test_small_bodies_tokenize_inline_large_ones_in_a_worker_thread(server):
     tok.encode = spy
     try:
         small = threads("hello there")
-        many = threads(["word " * 200] * (app._INLINE_BYTES // 1000 + 1))  # each 1 KB, together over
-        large = threads("word " * (app._INLINE_BYTES // 5 + 1))
+        many = threads(["word " * 200] * (routes._INLINE_BYTES // 1000 + 1))  # each 1 KB, together over
+        large = threads("word " * (routes._INLINE_BYTES // 5 + 1))
     finally:
         del tok.encode
     worker = "AnyIO worker thread"
@@ -644,10 +644,10 @@ def test_completions_n_choices(server, client):
     sizes, whose kernels differ in the logits' last bits, and a random-weight model's near-flat
     distributions turn that into a different sample.)"""
     from openinfer import SamplingParams
-    from openinfer.server.app import _choices
+    from openinfer.sampling_params import choice_params
 
     base = SamplingParams(temperature=1.0, seed=123, max_tokens=8)
-    ps = _choices(base, 3)
+    ps = choice_params(base, 3)
     assert ps[0] == base and len({p.seed for p in ps}) == 3 and all(p.temperature == 1.0 for p in ps)
     kw = dict(model=NAME, max_tokens=8, temperature=1.0, seed=123, extra_body={"ignore_eos": True})
     prompts = ["Once upon a time", "The weather today"]
@@ -705,11 +705,12 @@ def test_completion_text_offsets_stream_equal_non_stream(server, client):
 def test_chat_logprob_bytes_are_the_tokens_own():
     """A character split over two tokens: each token's `bytes` are its own, and together they make the
     character (its text alone is U+FFFD)."""
-    from openinfer.server.app import _chat_logprobs
-    from openinfer.tokenizer import Tokenizer, BUNDLED_TOKENIZER_DIR
+    from openinfer.model_files import BUNDLED_TOKENIZER_DIR
+    from openinfer.server.logprobs import chat_logprobs
+    from openinfer.tokenizer import Tokenizer
     tok = Tokenizer.from_model_dir(BUNDLED_TOKENIZER_DIR)
     ids = tok.encode("\U0001D518")  # MATHEMATICAL FRAKTUR CAPITAL U: more than one byte-level token
     assert len(ids) > 1
-    entries = _chat_logprobs(tok, [(i, -0.5, [(i, -0.5)]) for i in ids])
+    entries = chat_logprobs(tok, [(i, -0.5, [(i, -0.5)]) for i in ids])
     assert b"".join(bytes(e["bytes"]) for e in entries) == "\U0001D518".encode("utf-8")
     assert bytes(entries[0]["top_logprobs"][0]["bytes"]) == bytes(entries[0]["bytes"])

@@ -11,10 +11,12 @@ def test_generation_config_supplies_defaults_not_overrides():
     d = sampling_defaults(QWEN_GEN)
     assert d == {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
     g = parse_completion({"prompt": "x"}, d).gen
-    assert (g.temperature, g.top_p, g.top_k, g.max_tokens) == (0.6, 0.95, 20, 16)
+    s = g.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.6, 0.95, 20, 16)
     g = parse_chat({"messages": [{"role": "user", "content": "x"}], "temperature": 0,
                     "top_k": -1}, d).gen
-    assert (g.temperature, g.top_p, g.top_k, g.max_tokens) == (0.0, 0.95, 0, None)
+    s = g.sampling
+    assert (s.temperature, s.top_p, s.top_k, s.max_tokens) == (0.0, 0.95, 0, None)
     assert sampling_defaults({"do_sample": False, "temperature": "hot"}) == {"temperature": 0.0}
 
 
@@ -24,8 +26,8 @@ def test_chat_fields():
                     "stop": "END", "tools": [{"type": "function", "function": {"name": "f"}}],
                     "tool_choice": {"type": "function", "function": {"name": "f"}},
                     "chat_template_kwargs": {"enable_thinking": False}})
-    g = r.gen
-    assert (g.max_tokens, g.logprobs, g.seed, g.stop) == (7, 3, 2**64 - 1, ["END"])
+    s = r.gen.sampling
+    assert (s.max_tokens, s.logprobs, s.seed, s.stop) == (7, 3, 2**64 - 1, ["END"])
     assert r.named_tool == "f" and r.enable_thinking is False and r.tool_choice["type"] == "function"
     assert parse_chat({"messages": [{"role": "user", "content": "x"}]}).tool_choice == "none"
 

@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 
-from openinfer.tokenizer import IncrementalDetokenizer, Tokenizer
+from openinfer.detokenizer import IncrementalDetokenizer
+from openinfer.tokenizer import Tokenizer
 from test_server_harness import RunningServer, wait_until
 
 NAME = "scripted"

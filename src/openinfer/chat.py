@@ -1,8 +1,10 @@
-"""Chat template rendering, tool-call parsing and reasoning parsing for Qwen3 chat output.
+"""Chat template rendering, tool-call parsing and reasoning parsing for Qwen3 chat output, and the
+chat policy: what a request's prompt is (a forced tool call's prefill, reasoning) and how its answer
+is read back (`chat_prompt`, `ChatPrompt.parser`). No HTTP here.
 
-The template is the model directory's own (tokenizer_config.json `chat_template`), rendered with a
-sandboxed jinja2 environment set up the way Hugging Face's `apply_chat_template` sets it up, so a
-prompt here is byte-identical to the one the model was trained on.
+The template is the model directory's own (`ModelFiles.chat_template`), rendered with a sandboxed
+jinja2 environment set up the way Hugging Face's `apply_chat_template` sets it up, so a prompt here
+is byte-identical to the one the model was trained on.
 
 The parsers are streaming state machines; the non-streaming functions run the same machine once
 over the whole text, so a stream's concatenated deltas always equal the non-streaming result,
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -26,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 __all__ = [
     "ChatError", "ChatTemplate", "normalize_messages", "normalize_tools",
     "ToolCall", "ToolCallStreamParser", "parse_tool_calls",
-    "ReasoningStreamParser", "parse_reasoning", "ChatOutputParser", "ChatDelta",
+    "ReasoningStreamParser", "parse_reasoning", "ChatOutputParser", "ChatDelta", "ChatPrompt", "chat_prompt",
     "TOOL_CALL_START", "TOOL_CALL_END", "THINK_START", "THINK_END", "loads_text_json",
 ]
 
@@ -67,21 +68,6 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self.source = source
         self._template = env.from_string(source)
-
-    @classmethod
-    def from_model_dir(cls, model_dir: str) -> "ChatTemplate":
-        path = os.path.join(model_dir, "tokenizer_config.json")
-        try:
-            with open(path, encoding="utf-8") as f:
-                source = json.load(f).get("chat_template")
-        except OSError as e:
-            raise FileNotFoundError(f"{path}: cannot read ({e})") from e
-        if isinstance(source, list):  # HF allows named templates: [{"name", "template"}]
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            source = named.get("default") or next(iter(named.values()), None)
-        if not isinstance(source, str) or not source:
-            raise ValueError(f"{path} has no chat_template")
-        return cls(source)
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = True, extra: dict[str, Any] | None = None, **kwargs: Any) -> str:
@@ -438,27 +424,39 @@ class ChatDelta:
 
 
 class ChatOutputParser:
-    """Reasoning split first, then tool calls out of the content: the whole chat-output pipeline."""
+    """Reasoning split first, then tool calls out of the content: the whole chat-output pipeline.
+
+    `prefill`: the answer's opening that the prompt already wrote (a forced call's, `chat_prompt`),
+    parsed as if the model had written it."""
 
     def __init__(self, reasoning: bool = True, tools: bool = True, started_in_think: bool = False,
-                 max_tool_calls: int | None = None):
+                 max_tool_calls: int | None = None, prefill: str = ""):
         self._reason = ReasoningStreamParser(enabled=reasoning, started_in_think=started_in_think)
         self._tools = ToolCallStreamParser(max_tool_calls) if tools else None
         self.num_tool_calls = 0
+        self._cut = ""
+        if prefill:
+            self.feed(prefill)  # held inside the open tag: yields nothing
+        # A forced call that does not complete comes back as content, led by that prefill, which the
+        # model never wrote: it is cut from the first content (nothing else can come before it). Once
+        # the parser gives a call or content, the prefill has been accounted for.
+        self._cut = prefill
 
     @property
     def capped(self) -> bool:
         return self._tools is not None and self._tools.capped
 
     def _chain(self, r: str, c: str, final: bool) -> ChatDelta:
-        if self._tools is None:
-            return ChatDelta(r, c)
-        c1, calls = self._tools.feed(c)
-        if final:
-            c2, more = self._tools.finish()
-            c1, calls = c1 + c2, calls + more
-        self.num_tool_calls += len(calls)
-        return ChatDelta(r, c1, calls)
+        calls: list[ToolCall] = []
+        if self._tools is not None:
+            c, calls = self._tools.feed(c)
+            if final:
+                c2, more = self._tools.finish()
+                c, calls = c + c2, calls + more
+            self.num_tool_calls += len(calls)
+        if self._cut and (c or calls):
+            c, self._cut = c.removeprefix(self._cut), ""
+        return ChatDelta(r, c, calls)
 
     def feed(self, delta: str) -> ChatDelta:
         return self._chain(*self._reason.feed(delta), final=False)
@@ -469,3 +467,55 @@ class ChatOutputParser:
     def parse(self, text: str) -> ChatDelta:
         """Whole text at once (non-streaming): content is None-able in the caller."""
         return self.feed(text).join(self.finish())
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """OpenAI's finish_reason for an answer the engine ended with `reason`."""
+        return "tool_calls" if self.num_tool_calls and reason == "stop" else reason
+
+
+# ----------------------------------------------------------------------------- policy
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """What a chat request generates from, and how its answer is read back."""
+    text: str  # the prompt to tokenize, the prefill included
+    reasoning: bool  # the answer may open with a think block
+    started_in_think: bool  # the prompt opened that block itself
+    tools: bool  # tool calls are parsed out of the answer
+    prefill: str  # the answer's opening, written by us (a forced call's)
+
+    def parser(self, parallel_tool_calls: bool = True) -> ChatOutputParser:
+        """A parser for one answer; parallel_tool_calls=False keeps only the first call."""
+        return ChatOutputParser(self.reasoning, self.tools, self.started_in_think,
+                                None if parallel_tool_calls else 1, self.prefill)
+
+
+def chat_prompt(template: ChatTemplate, messages: Any, tools: Any = None, tool_choice: str | dict = "auto",
+                named_tool: str | None = None, *, add_generation_prompt: bool = True,
+                enable_thinking: bool = True, template_kwargs: dict | None = None) -> ChatPrompt:
+    """The prompt of an OpenAI chat request. tool_choice: "auto", "none", "required" or a named
+    function (`named_tool` its name); "none" shows the model no tools and parses no calls."""
+    messages = normalize_messages(messages)
+    tools = normalize_tools(tools) if tool_choice != "none" else None
+    if named_tool and tools:  # the model sees only the function it must call
+        tools = [t for t in tools if t["function"]["name"] == named_tool]
+    prompt = template.render(messages, tools, add_generation_prompt=add_generation_prompt,
+                             extra=template_kwargs, enable_thinking=enable_thinking)
+    tail = prompt.rstrip()
+    reasoning = not tail.endswith(THINK_END)  # enable_thinking=False closed the block already
+    prefill = ""
+    if (named_tool or (tool_choice == "required" and tools)) and add_generation_prompt:
+        # A forced call: the answer opens with the call, written by us (a named function: its name
+        # too, and the model writes the arguments; "required": the model picks the function). The
+        # parser sees the prefill as if the model had written it. A template that thinks gets its
+        # think block closed empty first, as its enable_thinking=False form does, so that the call
+        # comes where the model would write it.
+        if reasoning and THINK_START in template.source:
+            opened = tail.endswith(THINK_START)
+            prompt = (tail if opened else prompt + THINK_START) + "\n\n" + THINK_END + "\n\n"
+        prefill = TOOL_CALL_START + "\n"
+        if named_tool:
+            prefill += json.dumps({"name": named_tool})[:-1] + ", \"arguments\": "
+        reasoning = False
+    return ChatPrompt(prompt + prefill, reasoning, tail.endswith(THINK_START), tools is not None, prefill)

@@ -4,11 +4,12 @@ Environment variables are read here and nowhere else (see `ENV_VARS`).
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from .model_files import ModelFiles
 
 # Every environment variable the package reads, with its meaning. Nothing else calls os.environ.
 ENV_VARS = {
@@ -95,10 +96,8 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, path: str | os.PathLike) -> "ModelConfig":
-        p = check_model_dir(path)
-        d = json.loads((p / "config.json").read_text())
-        gen = p / "generation_config.json"
-        return cls.from_dict(d, json.loads(gen.read_text()) if gen.is_file() else None)
+        files = ModelFiles.read(check_model_dir(path))
+        return cls.from_dict(files.config, files.generation_config)
 
     @property
     def q_size(self) -> int:
@@ -184,6 +183,7 @@ class EngineConfig:
                                      "model fits it (Qwen3 0.6B-8B)")
     overlap_steps: bool = option(True, "launch each step before the previous one's tokens reach the host, so "
                                  "scheduling and streaming run while the GPU works")
+    model_files: ModelFiles = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -213,7 +213,8 @@ class EngineConfig:
                               + repr(self.num_kv_blocks))
         if self.draft_model_path is not None:
             raise ConfigError("{draft_model_path} (speculative decoding) is not built yet")
-        self.model_config = ModelConfig.from_model_dir(self.model_path)
+        self.model_files = ModelFiles.read(check_model_dir(self.model_path))  # each HF file read once, here
+        self.model_config = ModelConfig.from_dict(self.model_files.config, self.model_files.generation_config)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, MAX_MODEL_LEN_CAP)

@@ -29,7 +29,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.model_config = config.model_config
-        self.tokenizer = Tokenizer.from_model_dir(config.model_path)
+        self.tokenizer = Tokenizer.from_files(config.model_files)
         # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
         threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
         self.backend = self._make_backend()

@@ -17,10 +17,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, block_hash
+from .detokenizer import IncrementalDetokenizer, next_text
 from .host_tier import HostTier
 from .sampling_params import SamplingParams
 from .step import StepOutput
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from .tokenizer import Tokenizer
 
 
 class RequestRejected(ValueError):
@@ -418,17 +419,8 @@ class Scheduler:
             if p.logprobs > 0 and out.top_ids is not None:
                 top = [(int(i), float(v)) for i, v in zip(out.top_ids[r, :p.logprobs], out.top_logprobs[r, :p.logprobs])]
             lps = [Logprob(tok, float(out.logprobs[r]), top)]
-        reason = None
-        if (tok in self.eos_token_ids and not p.ignore_eos) or tok in p.stop_token_set:
-            text, reason = "", "stop"  # the stop token's text is not part of the output
-        else:
-            text, hit = seq.detok.add_token(tok)
-            if hit:
-                reason = "stop"
-        if reason is None and len(seq.token_ids) >= seq.max_len:
-            reason = "length"
+        text, reason = next_text(seq.detok, tok, p, self.eos_token_ids, len(seq.token_ids) >= seq.max_len)
         if reason is not None:
-            text += seq.detok.flush()
             self.requests.pop(seq.request_id, None)
             self._free(seq, reason)
         return RequestUpdate(seq.request_id, [tok], text, reason is not None, reason, lps, seq.num_prompt,

@@ -1,9 +1,11 @@
 """OpenAI request validation and error shape.
 
 Every client mistake becomes an `APIError` (a 4xx in OpenAI's `{"error": {...}}` shape) before the
-request reaches the engine. Fields we do not implement are refused by name when they are set to a
-non-default value (clients commonly send `frequency_penalty: 0`, which means "off" and is accepted);
-fields we do not know are ignored, as OpenAI does.
+request reaches the engine. Sampling fields go through `SamplingParams`' own rules
+(sampling_params.py), so the server and the Python API refuse the same values. Fields we do not
+implement are refused by name when they are set to a non-default value (clients commonly send
+`frequency_penalty: 0`, which means "off" and is accepted); fields we do not know are ignored, as
+OpenAI does.
 """
 
 from __future__ import annotations
@@ -11,9 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling_params import MAX_STOP_TOKEN_IDS
+from ..sampling_params import RULES, InvalidRequest, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
 MAX_CHOICES = 64  # engine requests per HTTP request: prompts x n
 
 
@@ -32,6 +33,10 @@ class APIError(Exception):
 
 def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
+
+
+def internal(message: str) -> APIError:
+    return APIError(500, message, type="server_error", code="internal_error")
 
 
 # Unsupported fields and the value(s) that mean "off" (accepted and ignored).
@@ -57,10 +62,6 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and abs(v) != float("inf")
-
-
 def _opt(body: dict, name: str, check, what: str, default=None):
     v = body.get(name)
     if v is None:
@@ -72,12 +73,16 @@ def _opt(body: dict, name: str, check, what: str, default=None):
 
 def sampling_defaults(generation_config: dict) -> dict:
     """temperature/top_p/top_k a request gets when it leaves them out: the model's own
-    generation_config.json (Qwen3: 0.6 / 0.95 / 20), as the releases intend; invalid values ignored."""
-    checks = {"temperature": lambda v: _is_num(v) and 0 <= v <= 2,
-              "top_p": lambda v: _is_num(v) and 0 < v <= 1,
-              "top_k": lambda v: _is_int(v) and v >= -1}
-    out = {k: generation_config[k] for k, ok in checks.items()
-           if k in generation_config and ok(generation_config[k])}
+    generation_config.json (Qwen3: 0.6 / 0.95 / 20), as the releases intend; values that break
+    SamplingParams' rules are ignored."""
+    out = {}
+    for k in ("temperature", "top_p", "top_k"):
+        if k in generation_config:
+            try:
+                RULES[k](generation_config[k])
+            except InvalidRequest:
+                continue
+            out[k] = generation_config[k]
     if generation_config.get("do_sample") is False:
         out["temperature"] = 0.0
     return out
@@ -85,17 +90,8 @@ def sampling_defaults(generation_config: dict) -> dict:
 
 @dataclass
 class GenParams:
-    """Sampling fields shared by both endpoints (engine-independent)."""
-    max_tokens: int | None
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    logprobs: int | None  # None: off; N: sampled token plus the top N
-    skip_special_tokens: bool
+    """What both endpoints generate with: the engine's sampling parameters and the HTTP side's own."""
+    sampling: SamplingParams
     stream: bool
     include_usage: bool
     n: int = 1  # choices per prompt
@@ -113,44 +109,44 @@ def _check_unsupported(body: dict, table: dict) -> None:
             raise bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
 
 
+# Body fields that are SamplingParams fields of the same name and meaning (chat's logprobs is not).
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids",
+                    "ignore_eos", "skip_special_tokens")
+
+
+def _sampling_params(body: dict, chat: bool, default_max_tokens: int | None, defaults: dict) -> SamplingParams:
+    """The body's sampling fields through SamplingParams' own rules (sampling_params.py), so the
+    Python API and the server refuse the same values."""
+    given = {k: body[k] for k in _SAMPLING_FIELDS if body.get(k) is not None}
+    kw = {"max_tokens": default_max_tokens, **defaults, **given}
+    renamed = {}  # SamplingParams field -> the body field it came from, where they differ
+    try:
+        if chat:
+            if body.get("max_completion_tokens") is not None:  # the newer name wins, as in OpenAI's API
+                RULES["max_tokens"](kw["max_tokens"])  # max_tokens is still checked
+                kw["max_tokens"] = body["max_completion_tokens"]
+                renamed["max_tokens"] = "max_completion_tokens"
+            want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
+            top = body.get("top_logprobs")
+            if top is not None and not want:
+                raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
+            if want:
+                kw["logprobs"] = 0 if top is None else top
+                renamed["logprobs"] = "top_logprobs"
+        elif body.get("logprobs") is not None:
+            kw["logprobs"] = body["logprobs"]
+        return SamplingParams(**kw)
+    except InvalidRequest as e:
+        e = e.renamed(renamed.get(e.param, e.param))
+        raise bad(str(e), e.param) from None
+
+
 def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
                 defaults: dict | None) -> GenParams:
-    defaults = defaults or {}
     _check_unsupported(body, _UNSUPPORTED_COMMON)
     _check_unsupported(body, _UNSUPPORTED_CHAT if chat else _UNSUPPORTED_COMPLETIONS)
     n = _opt(body, "n", lambda v: _is_int(v) and 1 <= v <= MAX_CHOICES, f"an integer in [1, {MAX_CHOICES}]", 1)
-    pos_int = lambda v: _is_int(v) and v >= 1  # noqa: E731
-    max_tokens = _opt(body, "max_tokens", pos_int, "a positive integer")
-    if chat:  # the newer name wins when both are given, as in OpenAI's API
-        max_tokens = _opt(body, "max_completion_tokens", pos_int, "a positive integer", max_tokens)
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    temperature = float(_opt(body, "temperature", lambda v: _is_num(v) and 0 <= v <= 2,
-                             "a number in [0, 2]", defaults.get("temperature", 1.0)))
-    top_p = float(_opt(body, "top_p", lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]",
-                       defaults.get("top_p", 1.0)))
-    top_k = _opt(body, "top_k", lambda v: _is_int(v) and v >= -1, "an integer >= -1 (-1 or 0: off)",
-                 defaults.get("top_k", 0))
-    seed = _opt(body, "seed", lambda v: _is_int(v) and -2**63 <= v < 2**64, "an integer")
-    if seed is not None and seed < 0:  # OpenAI seeds are int64; map onto the engine's uint64
-        seed += 2**64
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop] if stop else []
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = [s for s in stop if s]
-    else:
-        raise bad("'stop' must be a string or a list of strings", "stop")
-    if len(stop) > 16:
-        raise bad("'stop' may hold at most 16 strings", "stop")
-    stop_token_ids = _opt(body, "stop_token_ids",
-                          lambda v: isinstance(v, list) and len(v) <= MAX_STOP_TOKEN_IDS
-                          and all(_is_int(t) and t >= 0 for t in v),
-                          f"a list of at most {MAX_STOP_TOKEN_IDS} non-negative integers", [])
-    ignore_eos = _opt(body, "ignore_eos", lambda v: isinstance(v, bool), "a boolean", False)
-    skip_special = _opt(body, "skip_special_tokens", lambda v: isinstance(v, bool), "a boolean", True)
+    sampling = _sampling_params(body, chat, default_max_tokens, defaults or {})
     stream = _opt(body, "stream", lambda v: isinstance(v, bool), "a boolean", False)
     so = _opt(body, "stream_options", lambda v: isinstance(v, dict), "an object", {})
     include_usage = so.get("include_usage", False)
@@ -158,17 +154,7 @@ def _gen_params(body: dict, *, chat: bool, default_max_tokens: int | None,
         raise bad("'stream_options.include_usage' must be a boolean", "stream_options")
     if "stream_options" in body and body["stream_options"] is not None and not stream:
         raise bad("'stream_options' is only allowed when 'stream' is true", "stream_options")
-    in_range = lambda v: _is_int(v) and 0 <= v <= MAX_TOP_LOGPROBS  # noqa: E731
-    if chat:
-        want = _opt(body, "logprobs", lambda v: isinstance(v, bool), "a boolean", False)
-        top = _opt(body, "top_logprobs", in_range, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-        if top is not None and not want:
-            raise bad("'top_logprobs' requires 'logprobs': true", "top_logprobs")
-        logprobs = (top or 0) if want else None
-    else:
-        logprobs = _opt(body, "logprobs", in_range, f"an integer in [0, {MAX_TOP_LOGPROBS}]")
-    return GenParams(max_tokens, temperature, top_p, top_k if top_k > 0 else 0, seed, stop,
-                     stop_token_ids, ignore_eos, logprobs, skip_special, stream, include_usage, n)
+    return GenParams(sampling, stream, include_usage, n)
 
 
 @dataclass

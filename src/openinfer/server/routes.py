@@ -1,0 +1,483 @@
+"""The OpenAI-compatible routes: how each request is read, checked, submitted and answered.
+
+Request path: read the body (size-capped) -> JSON -> protocol validation -> prompt token ids (chat:
+chat.chat_prompt) -> length checks -> one engine request per choice -> JSON or SSE response.
+Every failure before the engine is an APIError (4xx); an engine failure is a 500 for the requests
+it touched, never for the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from ..chat import (ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemplate, chat_prompt,
+                    loads_text_json)
+from ..engine import QueueFull, RequestRejected
+from ..sampling_params import SamplingParams, choice_params
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
+from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
+from .metrics import CONTENT_TYPE, Metrics, RequestTimer
+from .protocol import APIError, bad, internal, model_field, parse_chat, parse_completion
+from .sse import DONE, SSEResponse, error_event, event
+
+log = logging.getLogger("openinfer.server")
+
+RETRY_AFTER_S = 1
+CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the access log shows it
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Any
+    template: ChatTemplate | None
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None
+    max_body_bytes: int
+    metrics: Metrics
+    defaults: dict = field(default_factory=dict)  # sampling defaults from generation_config.json
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _error(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    cl = request.headers.get("content-length", "")
+    if cl.isdigit() and int(cl) > 4 * limit:  # not worth draining: refuse and drop the connection
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large",
+                       headers={"Connection": "close"})
+    chunks, size = [], 0
+    async for chunk in request.stream():  # drain it all so the client sees the 413, not a reset
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 4 * limit:
+            break
+    if size > limit:
+        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    request.state.body_bytes = size
+    try:  # lone surrogates refused here, once, not wherever a string is encoded later
+        return loads_text_json(b"".join(chunks))
+    except ValueError as e:
+        raise bad(f"request body is not valid JSON: {e}"[:300]) from None
+
+
+def _check_model(st: ServerState, model: str | None) -> None:
+    if model is not None and model != st.model_name:
+        raise APIError(404, f"The model '{model}' does not exist; this server serves "
+                            f"'{st.model_name}'", param="model", code="model_not_found")
+
+
+def _check_ids(st: ServerState, ids: list[int], param: str) -> list[int]:
+    if any(not 0 <= t < st.vocab_size for t in ids):
+        raise bad(f"token ids must be in [0, {st.vocab_size})", param)
+    return ids
+
+
+def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> None:
+    if n_prompt == 0:
+        raise bad("the prompt is empty after tokenization", param)
+    want = n_prompt + (max_tokens or 1)
+    if want > st.max_model_len:
+        raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, you "
+                  f"requested {want} tokens ({n_prompt} in the prompt, {max_tokens or 1} for the "
+                  "completion). Please reduce the prompt or max_tokens.", param,
+                  "context_length_exceeded")
+
+
+async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
+    """One engine request per prompt; maps admission errors to 400 / 503."""
+    try:
+        group = st.engine.new_group()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+    try:
+        await group.add(prompts, params)
+    except EngineDeadError as e:
+        group.close()
+        raise APIError(503, str(e), type="server_error", code="engine_dead") from None
+    except QueueFull as e:
+        group.close()
+        raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except (RequestRejected, ValueError) as e:
+        group.close()
+        raise bad(str(e), param, "request_rejected") from None
+    except BaseException:
+        group.close()
+        raise
+    return group
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+async def _collect(request: Request, group, on_update) -> bool:
+    """Feeds every update to on_update until it returns True (the rest is aborted) or all finish;
+    False (requests aborted) when the client went away."""
+    async def consume():
+        async for idx, u in group.updates():
+            if on_update(idx, u):
+                break
+
+    work = asyncio.ensure_future(consume())
+    watch = asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if not work.done():
+            return False
+        work.result()  # re-raise an engine error
+        return True
+    finally:
+        for t in (work, watch):
+            t.cancel()
+        group.close()
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.openinfer
+
+
+def _auth(st: ServerState, request: Request) -> None:
+    if st.api_key is None:
+        return
+    h = request.headers.get("authorization", "")
+    key = h[7:].strip() if h[:7].lower() == "bearer " else ""
+    if not hmac.compare_digest(key.encode(), st.api_key.encode()):
+        raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
+                       code="invalid_api_key")
+
+
+def _route(fn, authed: bool = True):
+    """Wraps a handler: auth, APIError -> OpenAI error JSON, anything else -> logged 500."""
+    async def handler(request: Request) -> Response:
+        st = _state(request)
+        try:
+            if authed:
+                _auth(st, request)
+            return await fn(st, request)
+        except APIError as e:
+            return _error(e)
+        except ChatError as e:
+            return _error(bad(str(e), e.param))
+        except EngineStepError as e:
+            return _error(internal(str(e)))
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            return Response(status_code=CLIENT_GONE)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception("unhandled error in %s", request.url.path)
+            return _error(internal(f"internal error: {type(e).__name__}"))
+    return handler
+
+
+async def health(st: ServerState, request: Request) -> Response:
+    if st.engine.alive:
+        return JSONResponse({"status": "ok"})
+    return JSONResponse({"status": "engine loop not running"}, status_code=503)
+
+
+async def metrics(st: ServerState, request: Request) -> Response:
+    return Response(st.metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(st: ServerState) -> dict:
+    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "openinfer",
+            "max_model_len": st.max_model_len}
+
+
+async def list_models(st: ServerState, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(st)]})
+
+
+async def get_model(st: ServerState, request: Request) -> Response:
+    _check_model(st, request.path_params["model"])
+    return JSONResponse(_model_card(st))
+
+
+# Bodies up to this size are rendered and tokenized on the event loop: a worker thread is one more
+# thread contending for the GIL with the engine loop, and at concurrency 64 (1k-token prompts) that
+# left the GPU idle 11% of the time against 5% inline (docs/benchmarks.md).
+_INLINE_BYTES = 1 << 15
+
+
+async def _off_loop(size: int, fn, *args):
+    """fn(*args), in a worker thread when `size` (the input's bytes or characters) is over _INLINE_BYTES:
+    rendering and tokenizing a large body takes seconds, during which the event loop would answer
+    nothing else (/health included)."""
+    if size <= _INLINE_BYTES:
+        return fn(*args)
+    return await anyio.to_thread.run_sync(fn, *args)
+
+
+async def tokenize(st: ServerState, request: Request) -> Response:
+    body = await _read_json(request, st.max_body_bytes)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(st, model_field(body))
+    if "messages" in body:
+        req = parse_chat({k: v for k, v in body.items() if k in (
+            "messages", "tools", "tool_choice", "chat_template_kwargs", "add_generation_prompt")})
+        text = (await _off_loop(request.state.body_bytes, _chat_prompt, st, req)).text
+    elif isinstance(body.get("prompt"), str):
+        text = body["prompt"]
+    else:
+        raise bad("'prompt' (a string) or 'messages' is required", "prompt")
+    ids = await _off_loop(len(text), st.tokenizer.encode, text)
+    return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": st.max_model_len})
+
+
+async def detokenize(st: ServerState, request: Request) -> Response:
+    body = await _read_json(request, st.max_body_bytes)
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_model(st, model_field(body))
+    ids = body.get("tokens")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad("'tokens' must be a list of token ids", "tokens")
+    _check_ids(st, ids, "tokens")
+    return JSONResponse({"prompt": await _off_loop(request.state.body_bytes, st.tokenizer.decode, ids, False)})
+
+
+def _usage(n_prompt: int, n_gen: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
+
+
+async def completions(st: ServerState, request: Request) -> Response:
+    t0 = now()
+    req = parse_completion(await _read_json(request, st.max_body_bytes), st.defaults)
+    _check_model(st, req.model)
+    # one decision for the whole body: many small prompts add up to a large one
+    prompts = await _off_loop(request.state.body_bytes, lambda: [
+        _check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p) for p in req.prompts])
+    for ids in prompts:
+        _check_length(st, len(ids), req.gen.sampling.max_tokens, "prompt")
+    n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
+    # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
+    per = choice_params(req.gen.sampling, req.gen.n)
+    prompts = [p for p in prompts for _ in range(req.gen.n)]
+    group = await _submit(st, prompts, per * (len(prompts) // req.gen.n), "prompt")
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+    timers = [RequestTimer(st.metrics, t0) for _ in prompts]
+    want_lp = req.gen.sampling.logprobs is not None
+
+    def chunk(choices, usage=None):
+        c = {"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
+             "choices": choices}
+        if req.gen.include_usage:
+            c["usage"] = usage
+        return c
+
+    if req.gen.stream:
+        async def events():
+            n_gen, offsets = 0, [0] * len(prompts)
+            try:
+                async for idx, u in group.updates():
+                    timers[idx].tokens_arrived(len(u.new_token_ids), now())
+                    n_gen += len(u.new_token_ids)
+                    rows = logprob_rows(u) if want_lp else []
+                    if u.new_text or rows or u.finished:
+                        lp = completion_logprobs(st.tokenizer, rows, offsets[idx]) if want_lp else None
+                        offsets[idx] += len(u.new_text)
+                        yield event(chunk([{"index": idx, "text": u.new_text, "logprobs": lp,
+                                           "finish_reason": u.finish_reason if u.finished else None}]))
+                    if u.finished:
+                        timers[idx].finish()
+                if req.gen.include_usage:
+                    yield event(chunk([], _usage(n_prompt, n_gen)))
+            except Exception as e:
+                yield error_event(e)
+            yield DONE
+        return SSEResponse(events(), group.close)
+
+    texts = [[] for _ in prompts]
+    ntok = [0] * len(prompts)
+    lps = [[] for _ in prompts]  # per update, offsets counted as the stream counts them
+    textlen = [0] * len(prompts)
+    finish = [None] * len(prompts)
+
+    def on_update(idx, u):
+        timers[idx].tokens_arrived(len(u.new_token_ids), now())
+        texts[idx].append(u.new_text)
+        ntok[idx] += len(u.new_token_ids)
+        if want_lp:
+            lps[idx].append(completion_logprobs(st.tokenizer, logprob_rows(u), textlen[idx]))
+        textlen[idx] += len(u.new_text)
+        if u.finished:
+            finish[idx] = u.finish_reason
+            timers[idx].finish()
+
+    if not await _collect(request, group, on_update):
+        return Response(status_code=CLIENT_GONE)
+    choices = [{"index": i, "text": "".join(texts[i]),
+                "logprobs": merge_logprobs(lps[i]) if want_lp else None,
+                "finish_reason": finish[i]} for i in range(len(prompts))]
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
+                         "model": st.model_name, "choices": choices,
+                         "usage": _usage(n_prompt, sum(ntok))})
+
+
+def _delta_json(d, tool_index: int) -> tuple[dict, int]:
+    out: dict = {}
+    if d.reasoning:
+        out["reasoning_content"] = d.reasoning
+    if d.content:
+        out["content"] = d.content
+    if d.tool_calls:
+        out["tool_calls"] = []
+        for c in d.tool_calls:
+            out["tool_calls"].append({"index": tool_index, **c.to_openai()})
+            tool_index += 1
+    return out, tool_index
+
+
+def _chat_prompt(st: ServerState, req) -> ChatPrompt:
+    if st.template is None:
+        raise bad("this model has no chat template; use /v1/completions", "messages")
+    return chat_prompt(st.template, req.messages, req.tools, req.tool_choice, req.named_tool,
+                       add_generation_prompt=req.add_generation_prompt,
+                       enable_thinking=req.enable_thinking, template_kwargs=req.template_kwargs)
+
+
+class _ChatChoice:
+    """One choice of a chat completion: its output parser and what it produced."""
+
+    def __init__(self, parser: ChatOutputParser):
+        self.parser = parser
+        self.tool_index = 0  # tool calls streamed so far
+        self.got: list[ChatDelta] = []  # non-streamed: the parser's output per update
+        self.rows: list = []  # non-streamed: logprob rows
+        self.finish: str | None = None
+
+    def message(self, index: int, tok, want_lp: bool) -> dict:
+        """The non-streamed choice."""
+        d = ChatDelta()
+        for g in self.got + [self.parser.finish()]:
+            d = d.join(g)
+        message: dict = {"role": "assistant",
+                         "content": d.content if (d.content and (d.content.strip() or not d.tool_calls))
+                         else None}
+        if d.reasoning:
+            message["reasoning_content"] = d.reasoning
+        if d.tool_calls:
+            message["tool_calls"] = [c.to_openai() for c in d.tool_calls]
+        return {"index": index, "message": message, "finish_reason": self.parser.finish_reason(self.finish),
+                "logprobs": {"content": chat_logprobs(tok, self.rows)} if want_lp else None}
+
+
+async def chat_completions(st: ServerState, request: Request) -> Response:
+    t0 = now()
+    req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
+    _check_model(st, req.model)
+    prompt = await _off_loop(request.state.body_bytes, _chat_prompt, st, req)
+    ids = await _off_loop(len(prompt.text), st.tokenizer.encode, prompt.text)
+    _check_length(st, len(ids), req.gen.sampling.max_tokens, "messages")
+    n = req.gen.n
+    group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages")
+    choices = [_ChatChoice(prompt.parser(req.parallel_tool_calls)) for _ in range(n)]
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+    timers = [RequestTimer(st.metrics, t0) for _ in range(n)]
+    want_lp = req.gen.sampling.logprobs is not None
+
+    if req.gen.stream:
+        def chunk(i, delta, fr=None, lp=None, usage=None, choices=True):
+            c = {"id": rid, "object": "chat.completion.chunk", "created": created,
+                 "model": st.model_name,
+                 "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": fr}]
+                 if choices else []}
+            if req.gen.include_usage:
+                c["usage"] = usage
+            return c
+
+        async def events():
+            n_gen = 0
+            try:
+                for i in range(n):
+                    yield event(chunk(i, {"role": "assistant", "content": ""}))
+                async for i, u in group.updates():
+                    c = choices[i]
+                    timers[i].tokens_arrived(len(u.new_token_ids), now())
+                    n_gen += len(u.new_token_ids)
+                    delta, c.tool_index = _delta_json(c.parser.feed(u.new_text), c.tool_index)
+                    done = u.finished or c.parser.capped  # capped: the one call allowed is out
+                    if done:
+                        tail, c.tool_index = _delta_json(c.parser.finish(), c.tool_index)
+                        for k, v in tail.items():
+                            delta[k] = delta[k] + v if k in delta else v
+                    rows = logprob_rows(u) if want_lp else []
+                    lp = {"content": chat_logprobs(st.tokenizer, rows)} if rows else None
+                    if delta or lp:
+                        yield event(chunk(i, delta, lp=lp))
+                    if done:
+                        timers[i].finish()
+                        yield event(chunk(i, {}, fr=c.parser.finish_reason(u.finish_reason if u.finished else "stop")))
+                        group.abort(i)  # capped: what the model would still write is not wanted
+                if req.gen.include_usage:
+                    yield event(chunk(0, None, usage=_usage(len(ids), n_gen), choices=False))
+            except Exception as e:
+                yield error_event(e)
+            yield DONE
+        return SSEResponse(events(), group.close)
+
+    n_gen = 0
+
+    def on_update(i, u) -> bool:
+        nonlocal n_gen
+        c = choices[i]
+        timers[i].tokens_arrived(len(u.new_token_ids), now())
+        c.got.append(c.parser.feed(u.new_text))
+        n_gen += len(u.new_token_ids)
+        if want_lp:
+            c.rows.extend(logprob_rows(u))
+        if u.finished or c.parser.capped:  # capped: the one call allowed is out, the rest is aborted
+            c.finish = u.finish_reason if u.finished else "stop"
+            timers[i].finish()
+            group.abort(i)
+        return False
+
+    if not await _collect(request, group, on_update):
+        return Response(status_code=CLIENT_GONE)
+    return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
+                         "model": st.model_name,
+                         "choices": [c.message(i, st.tokenizer, want_lp) for i, c in enumerate(choices)],
+                         "usage": _usage(len(ids), n_gen)})
+
+
+async def http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    return _error(APIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                           code=code))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/health", _route(health, authed=False), methods=["GET"]),
+        Route("/metrics", _route(metrics, authed=False), methods=["GET"]),
+        Route("/v1/models", _route(list_models), methods=["GET"]),
+        Route("/v1/models/{model:path}", _route(get_model), methods=["GET"]),
+        Route("/v1/completions", _route(completions), methods=["POST"]),
+        Route("/v1/chat/completions", _route(chat_completions), methods=["POST"]),
+        Route("/tokenize", _route(tokenize), methods=["POST"]),
+        Route("/detokenize", _route(detokenize), methods=["POST"]),
+    ]
