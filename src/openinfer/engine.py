@@ -23,8 +23,10 @@ log = logging.getLogger("openinfer")
 
 
 class LLMEngine:
-    """step() = scheduler.schedule() -> runner.run() -> scheduler.postprocess(). Not thread-safe:
-    drive it from one thread."""
+    """step() = scheduler.schedule() -> runner.launch() -> runner.collect() -> scheduler.postprocess().
+    Not thread-safe: drive it from one thread."""
+
+    LOG_PERIOD_S = 10.0
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -47,6 +49,7 @@ class LLMEngine:
         self._overlap = config.overlap_steps
         self._inflight = None  # the step launched and not yet collected (overlapped steps)
         self._launches = 0  # the backend numbers launches 1, 2, ... (copy_progress() speaks of them)
+        self._tier_logged, self._tier_key = 0.0, None
         self._closed = False
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
         log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d%s", config.device,
@@ -125,6 +128,8 @@ class LLMEngine:
             self._timing["steps"] += 1
             self._timing["gpu_s"] += gpu
             self._timing["last_wall_ms"], self._timing["last_gpu_ms"] = wall * 1e3, gpu * 1e3
+        if self.host_tier is not None:
+            self._log_host_tier()
         return updates
 
     def _step(self, before_launch) -> tuple[list[RequestUpdate], bool]:
@@ -177,13 +182,33 @@ class LLMEngine:
 
     def stats(self) -> dict:
         t = self._timing
+        copies = self.backend.copy_stats() if self.host_tier else {}
         return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size,
                     steps=t["steps"], overlapped_steps=t["overlapped"], step_wall_seconds=t["wall_s"],
                     step_gpu_seconds=t["gpu_s"],
                     last_step_wall_ms=t["last_wall_ms"], last_step_gpu_ms=t["last_gpu_ms"],
                     # overlapped steps start on the GPU before the call that collects them: wall < GPU
                     # there means the host time was hidden entirely
-                    last_step_host_ms=max(0.0, t["last_wall_ms"] - t["last_gpu_ms"]))
+                    last_step_host_ms=max(0.0, t["last_wall_ms"] - t["last_gpu_ms"]),
+                    offloaded_bytes=copies.get("saved_bytes", 0), restored_bytes=copies.get("restored_bytes", 0),
+                    restore_seconds=copies.get("restore_seconds", 0.0))
+
+    def _log_host_tier(self) -> None:
+        """Every LOG_PERIOD_S while the tier is in use: its occupancy and traffic, in the engine log."""
+        now = time.perf_counter()
+        if now - self._tier_logged < self.LOG_PERIOD_S:
+            return
+        self._tier_logged = now
+        s = self.stats()
+        key = (s["offloaded_blocks"], s["restored_blocks"], s["prefix_cache_hit_tokens"])
+        if key == self._tier_key:
+            return
+        self._tier_key = key
+        gib, rs = 1 << 30, s["restore_seconds"]
+        log.info("host KV tier: %d/%d blocks used; prompt tokens from the GPU prefix cache %d, restored from the host "
+                 "%d; offloaded %.2f GiB, restored %.2f GiB at %.1f GB/s", s["host_tier_blocks_used"],
+                 s["host_tier_blocks_total"], s["prefix_cache_hit_tokens"], s["host_hit_tokens"],
+                 s["offloaded_bytes"] / gib, s["restored_bytes"] / gib, s["restored_bytes"] / rs / 1e9 if rs else 0.0)
 
 
 @dataclass

@@ -65,6 +65,21 @@ class _EngineCollector:
                     "(about 0 when decode steps overlap)",
                     stat(s, "last_step_host_ms"))
         yield gauge("openinfer_last_step_gpu_ms", "GPU time of the last step", stat(s, "last_step_gpu_ms"))
+        # the host KV tier (all 0 without --kv-offload)
+        total, used = stat(s, "host_tier_blocks_total"), stat(s, "host_tier_blocks_used")
+        yield gauge("openinfer_host_kv_blocks_used", "Host KV tier slots holding a block", used)
+        yield gauge("openinfer_host_kv_blocks_free", "Host KV tier slots never used yet", total - used)
+        yield counter("openinfer_host_restored_tokens", "Prompt tokens restored from the host KV tier (GPU prefix "
+                      "hits: openinfer_prefix_cache_hit_tokens)", stat(s, "host_hit_tokens"))
+        yield counter("openinfer_host_offloaded_blocks", "KV blocks whose copy to the host tier was issued",
+                      stat(s, "offloaded_blocks"))
+        yield counter("openinfer_host_restored_blocks", "KV blocks restored from the host tier", stat(s, "restored_blocks"))
+        yield counter("openinfer_host_evicted_blocks", "Host tier blocks evicted (LRU) for newer ones",
+                      stat(s, "host_tier_evictions"))
+        yield counter("openinfer_host_offloaded_bytes", "Bytes copied device to host (landed)", stat(s, "offloaded_bytes"))
+        yield counter("openinfer_host_restored_bytes", "Bytes copied host to device (landed)", stat(s, "restored_bytes"))
+        yield counter("openinfer_host_restore_seconds", "Device time of the landed restore copies (bandwidth: "
+                      "restored_bytes / this)", stat(s, "restore_seconds"))
 
 
 class Metrics:
