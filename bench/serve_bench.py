@@ -156,6 +156,80 @@ def sample_random_requests(tok, num_requests: int, input_len: int = 1024, output
     return [SampleRequest(p, n, int(o)) for p, n, o in zip(prompts, lens, output_lens)]
 
 
+def multiturn_conversations(tok, num_conversations: int, turns: int, turn_input_len: int, output_len: int,
+                            seed: int = 0) -> list[list[SampleRequest]]:
+    """Chats of growing context, as token ids: turn t's prompt is turn t-1's prompt, then output_len
+    tokens standing in for the reply, then turn_input_len new user tokens. So each turn's prompt
+    extends the last one's (its blocks can be served from a cache), and conversations share nothing."""
+    rng = np.random.default_rng(seed)
+    allowed = allowed_token_ids(tok)
+    convs = []
+    for _ in range(num_conversations):
+        prompt: list[int] = []
+        conv = []
+        for t in range(turns):
+            if t:
+                prompt = prompt + allowed[rng.integers(0, len(allowed), output_len)].tolist()
+            prompt = prompt + allowed[rng.integers(0, len(allowed), turn_input_len)].tolist()
+            conv.append(SampleRequest(prompt, len(prompt), output_len))
+        convs.append(conv)
+    return convs
+
+
+async def benchmark_multiturn(*, base_url: str, conversations: list[list[SampleRequest]], max_concurrency: int,
+                              model: str | None = None, endpoint: str = "/v1/completions",
+                              request_timeout: float = 600.0, percentiles=(90, 99)) -> tuple[dict, list]:
+    """Every conversation's turns in order, a turn sent once the one before has finished; ready turns
+    (each conversation's next) are served first come first served by max_concurrency workers, so every
+    conversation stays live and the working set is all of their histories at once."""
+    import httpx
+
+    _raise_nofile_limit()
+    limits = httpx.Limits(max_connections=max_concurrency + 4, max_keepalive_connections=max_concurrency + 4)
+    timeout = httpx.Timeout(connect=30.0, read=request_timeout, write=30.0, pool=request_timeout)
+    url = base_url.rstrip("/") + endpoint
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        model = model or await _discover_model(client, base_url) or "default"
+        metrics0 = await _scrape_metrics(client, base_url)
+        ready: asyncio.Queue = asyncio.Queue()
+        for c in range(len(conversations)):
+            ready.put_nowait((c, 0))
+        remaining = sum(len(c) for c in conversations)
+        outputs: list[RequestOutput] = []
+        done = asyncio.Event()
+
+        async def worker():
+            nonlocal remaining
+            while not done.is_set():
+                try:
+                    c, t = await asyncio.wait_for(ready.get(), 0.5)
+                except asyncio.TimeoutError:
+                    continue
+                o = await send_request(client, url, model, conversations[c][t], timeout_s=request_timeout)
+                outputs.append(o)
+                remaining -= 1
+                if t + 1 < len(conversations[c]):
+                    ready.put_nowait((c, t + 1))
+                if remaining == 0:
+                    done.set()
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(max_concurrency)))
+        dur = time.perf_counter() - t0
+        metrics1 = await _scrape_metrics(client, base_url)
+    m = calculate_metrics(outputs, dur, percentiles)
+    d = {k: metrics1.get(k, 0.0) - metrics0.get(k, 0.0) for k in metrics1}
+    prompt_tokens = d.get("openinfer_prefix_cache_query_tokens", 0.0)
+    gpu, host = d.get("openinfer_prefix_cache_hit_tokens", 0.0), d.get("openinfer_host_restored_tokens", 0.0)
+    m.update(conversations=len(conversations), turns=len(conversations[0]), max_concurrency=max_concurrency,
+             server_prompt_tokens=prompt_tokens, server_gpu_hit_tokens=gpu, server_host_hit_tokens=host,
+             prefix_hit_rate=(gpu + host) / prompt_tokens if prompt_tokens else 0.0,
+             server_restored_bytes=d.get("openinfer_host_restored_bytes", 0.0),
+             server_restore_seconds=d.get("openinfer_host_restore_seconds", 0.0),
+             errors={o.error: 1 for o in outputs if o.error})
+    return m, outputs
+
+
 # ---------------------------------------------------------------------------------------------
 # Arrivals
 # ---------------------------------------------------------------------------------------------
@@ -561,7 +635,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="model name sent in requests (default: first id of /v1/models)")
     ap.add_argument("--model-path", default=None, help="model dir (for its tokenizer.json)")
     ap.add_argument("--tokenizer", default=None, help="tokenizer.json or a dir holding one")
-    ap.add_argument("--dataset-name", default="random", choices=["random"])
+    ap.add_argument("--dataset-name", default="random", choices=["random", "multiturn"],
+                    help="random (vLLM's), or multiturn: --num-conversations chats of --turns turns, each turn "
+                         "--random-input-len new tokens after the last prompt and a --random-output-len stand-in "
+                         "reply, at most --max-concurrency turns in flight")
+    ap.add_argument("--num-conversations", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--random-input-len", type=int, default=1024)
     ap.add_argument("--random-output-len", type=int, default=128)
     ap.add_argument("--random-range-ratio", type=float, default=0.0)
@@ -617,6 +696,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"server at {base_url} not healthy after {args.wait_health} s", file=sys.stderr)
         return 2
     tok = load_tokenizer(args.model_path, args.tokenizer)
+    if args.dataset_name == "multiturn":
+        convs = multiturn_conversations(tok, args.num_conversations, args.turns, args.random_input_len,
+                                        args.random_output_len, args.seed)
+        m, _ = asyncio.run(benchmark_multiturn(base_url=base_url, conversations=convs,
+                                               max_concurrency=args.max_concurrency or 8, model=args.model,
+                                               endpoint=args.endpoint, request_timeout=args.request_timeout,
+                                               percentiles=percentiles))
+        print_summary(m, args.max_concurrency, percentiles)
+        print(f"prefix hit rate {m['prefix_hit_rate']:.3f} (GPU {m['server_gpu_hit_tokens']:.0f} + host "
+              f"{m['server_host_hit_tokens']:.0f} of {m['server_prompt_tokens']:.0f} prompt tokens)")
+        if args.result_json:
+            Path(args.result_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.result_json).write_text(json.dumps({"label": args.label, **provenance(), "args": vars(args),
+                                                          **m}, indent=2, default=str) + "\n")
+        return 0 if m["completed"] else 1
     t = time.perf_counter()
     reqs = sample_random_requests(tok, args.num_prompts, args.random_input_len,
                                   args.random_output_len, args.seed, args.random_range_ratio,
