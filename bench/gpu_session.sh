@@ -4,7 +4,7 @@
 #
 #   STAGES="kernels graphs model server bench" bash bench/gpu_session.sh
 #
-# Stages: kernels (tests/test_gpu_kernels.py, ~6 min), kquick (its GEMV/attention subset, ~1 min),
+# Stages: kernels (tests/test_gpu_kernels.py, ~6 min), contract (tests/test_gpu_step_contract.py), kquick (its GEMV/attention subset, ~1 min),
 # ncu (per-kernel times of one 4B batch-1 decode step), graphs (graph == eager, 32B random load),
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
 # CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
@@ -13,7 +13,9 @@
 # tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint, attn (decode attention key
 # warps on/off: the attention tests, the graph tests, the kernel A/B), sampling (the sampling tests, then
 # decode steps greedy and at the releases' default sampling, for .alt/ if present and this tree), options
-# (bench_engine A/B of EngineConfig OPTIONS over PRESETS and BATCHES).
+# (bench_engine A/B of EngineConfig OPTIONS over PRESETS and BATCHES), engine_ab (bench_engine 4B 1/8/64 and 8B 1
+# for .alt/ and this tree, twice alternated), greedy_ab (greedy tokens of a fixed prompt set, both trees),
+# hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -26,17 +28,32 @@ need_4b() { [ -f "$CKPT4B/config.json" ] || python3 -m openinfer.tools.random_ch
 for stage in ${STAGES:-kernels graphs model server bench}; do
   echo "== $stage"
   case $stage in
-    kernels) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tail -3 ;;
+    kernels) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -8 ;;
+    contract) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_step_contract.py 2>&1 | tee "$OUT/contract.log" | tail -8 ;;
     kquick) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
               -k "gemv or (paged_attention and not 32k and 4b) or fills_gpu or (split_attention_equals and 1024)" 2>&1 | tail -3 ;;
     ncu) ncu --clock-control none --profile-from-start off --metrics gpu__time_duration.sum --csv \
            python3 bench/profile_step.py --preset qwen3-4b --batch 1 --ctx 1024 > "$OUT/ncu_b1.csv" 2>/dev/null
          python3 bench/ncu_summary.py "$OUT/ncu_b1.csv" | head -12 ;;
-    graphs) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_random32b.py 2>&1 | tail -3 ;;
+    graphs) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_graphs.py tests/test_gpu_random32b.py 2>&1 | tee "$OUT/graphs.log" | tail -8 ;;
     model) python3 -m pytest -q -rxX -s -p no:cacheprovider tests/test_gpu_model.py 2>&1 | tee "$OUT/model.log" |
              grep -E "rel err|identical to HF|passed|failed|XFAIL" ;;
     server) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
-              python3 -m pytest -q -p no:cacheprovider tests/test_server.py tests/test_server_tools.py 2>&1 | tail -3 ;;
+              python3 -m pytest -q -rfE -p no:cacheprovider tests/test_server.py tests/test_server_tools.py 2>&1 |
+              tee "$OUT/server.log" | tail -8 ;;
+    engine_ab) for tree in alt this alt this; do  # .alt/ from bench/alt_tree.sh REV (with its bench_engine.py), carried
+                 PP=$PYTHONPATH; B=bench/bench_engine.py
+                 [ $tree = alt ] && { PP=$PWD/.alt/src:/tmp/site:$PWD/tests:$PWD/bench; B=.alt/bench_engine.py; }
+                 PYTHONPATH=$PP python3 $B --preset qwen3-4b --batches 1,8,64 --out "$OUT/ab_4b_$tree.json" | grep decode
+                 PYTHONPATH=$PP python3 $B --preset qwen3-8b --batches 1 --out "$OUT/ab_8b_$tree.json" | grep decode
+               done ;;
+    greedy_ab) python3 bench/greedy_outputs.py --out "$OUT/greedy_this.json"
+               PYTHONPATH=$PWD/.alt/src:/tmp/site python3 bench/greedy_outputs.py --out "$OUT/greedy_alt.json"
+               python3 -c "import json,sys; a,b=(json.load(open(sys.argv[i])) for i in (1,2)); print('greedy identical:', a['batched']==b['batched'] and a['alone']==b['alone'])" "$OUT/greedy_this.json" "$OUT/greedy_alt.json" ;;
+    hosttier) for m in ttft multiturn decode; do
+                python3 bench/host_tier_bench.py $m --model-path "$(python3 -c 'import sys; sys.path.insert(0, "bench"); from bench_engine import model_dir; print(model_dir("qwen3-4b"))')" \
+                  --out "$OUT/host_tier_$m.json" --log-dir /tmp/htlogs ${HT_ARGS:-} 2>>"$OUT/host_tier.log" | tail -12
+              done ;;
     bench) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --out "$OUT/engine_4b.json" | tail -6
            python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8 --sampling qwen \
              --out "$OUT/engine_4b_qwen_sampling.json" | grep "decode " 

@@ -29,11 +29,14 @@ import numpy as np
 
 import serve_bench as sb
 
+MODEL = "bench"  # the servers' --served-model-name
+
 
 @contextmanager
 def server(a, *extra: str, log_name: str = "server"):
     cmd = [*a.server_cmd.split(), "--model-path", a.model_path, "--load-format", a.load_format, "--port",
-           str(a.port), "--max-model-len", str(a.max_model_len), "--log-level", "warning", *extra]
+           str(a.port), "--max-model-len", str(a.max_model_len), "--log-level", "warning", "--served-model-name", MODEL,
+           *extra]
     log = open(Path(a.log_dir) / f"{log_name}.log", "w") if a.log_dir else subprocess.DEVNULL
     p = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{a.port}"
@@ -56,7 +59,7 @@ async def _ttft(url: str, ids: list[int], max_tokens: int = 1) -> float:
     import httpx
 
     async with httpx.AsyncClient(timeout=600, trust_env=False) as c:
-        o = await sb.send_request(c, url + "/v1/completions", "default",
+        o = await sb.send_request(c, url + "/v1/completions", MODEL,
                                   sb.SampleRequest(ids, len(ids), max_tokens))
     if not o.success:
         raise RuntimeError(o.error)
