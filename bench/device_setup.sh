@@ -1,7 +1,8 @@
 # Source on the GPU machine from the repo root: installs the carried wheels (.whl/) into /tmp/site,
 # puts the prebuilt _engine next to the sources, and sets PYTHONPATH. See docs/development.md.
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-  $(ls .whl/*.whl | grep -v '/openinfer-') || return 1
+# once per machine (a second call in parallel must not reinstall under a running one)
+[ -f /tmp/site/.openinfer-deps ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+  --upgrade --target /tmp/site $(ls .whl/*.whl | grep -v '/openinfer-') && touch /tmp/site/.openinfer-deps; } || return 1
 python3 - <<'PY' || return 1
 import glob, shutil, zipfile
 z = zipfile.ZipFile(sorted(glob.glob(".whl/openinfer-*.whl"))[-1])
