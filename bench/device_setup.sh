@@ -4,12 +4,15 @@
 [ -f /tmp/site/.openinfer-deps ] || { python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
   --upgrade --target /tmp/site $(ls .whl/*.whl | grep -v '/openinfer-') && touch /tmp/site/.openinfer-deps; } || return 1
 python3 - <<'PY' || return 1
-import glob, shutil, zipfile
+import glob, os, zipfile
 z = zipfile.ZipFile(sorted(glob.glob(".whl/openinfer-*.whl"))[-1])
 for n in z.namelist():
     if "/_engine" in n or "/_bench" in n:
-        with z.open(n) as src, open("src/openinfer/" + n.split("/")[-1], "wb") as dst:
-            shutil.copyfileobj(src, dst)
+        dst, data = "src/openinfer/" + n.split("/")[-1], z.read(n)
+        if not (os.path.exists(dst) and open(dst, "rb").read() == data):  # a running process may map it
+            with open(dst + ".tmp", "wb") as f:
+                f.write(data)
+            os.replace(dst + ".tmp", dst)
 PY
 export PYTHONPATH=$PWD/src:/tmp/site:$PWD/tests
 # The tree the carried wheel was built from (bench/build_wheel.sh): what benchmarks record as their commit.
