@@ -30,7 +30,7 @@ def engine(tmp_path_factory):
     src = Path(openinfer.__file__).parent / "data" / "qwen3-tokenizer"
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, d / f)
-    eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096, max_num_seqs=32,
+    eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096, max_num_seqs=128,
                            num_kv_blocks=600, kv_offload=True, kv_offload_host_gib=2, gemm_autotune=False)
     yield eng
     eng.close()
