@@ -32,13 +32,13 @@ def test_tier_matches_landed_chains_only():
     ha = block_hash(None, a)
     hb = block_hash(ha, b)
     sa = tier.reserve(ha, None, a)
-    assert tier.match(a + b + [1], None, 0, 2) == []  # saving: not matchable yet
+    assert tier.match(a + b + [1], 0, 2) == []  # saving: not matchable yet
     tier.landed(sa)
     sb = _saved(tier, hb, ha, b)
-    assert tier.match(a + b + [1], None, 0, 2) == [sa, sb]
-    assert tier.match(a + b + [1], None, 0, 1) == [sa]  # bounded by max_blocks
-    assert tier.match(a + b, ha, 1, 2) == [sb]  # continuing a chain that the GPU matched first
-    assert tier.match(toks(BS, 3000) + b, None, 0, 2) == []
+    assert tier.match(a + b + [1], 0, 2) == [sa, sb]
+    assert tier.match(a + b + [1], 0, 1) == [sa]  # bounded by max_blocks
+    assert tier.match(a + b, 1, 2) == [sb]  # continuing a chain that the GPU matched first
+    assert tier.match(toks(BS, 3000) + b, 0, 2) == []
     assert tier.reserve(ha, None, a) is None  # already here
     tier.check_integrity()
 
@@ -56,7 +56,7 @@ def test_tier_full_evicts_least_recently_used_unpinned():
     tier.unpin(s0)
     tier.landed(s2)
     tier.check_integrity()
-    assert tier.match(blocks[0], None, 0, 1) == [s0]
+    assert tier.match(blocks[0], 0, 1) == [s0]
 
 
 # ---- through the engine (NumPy backend) ----
@@ -107,7 +107,7 @@ def test_every_sealed_block_is_saved_and_bytes_match(engine_of):
     tier, be = eng.host_tier, eng.backend
     st = eng.stats()
     assert st["offloaded_blocks"] == 4 and st["host_tier_blocks_used"] == 4
-    slots = tier.match(p, None, 0, 4)
+    slots = tier.match(p, 0, 4)
     assert len(slots) == 4
     # the device blocks still hold the prompt (cached, not reused): the host copies are bit-identical
     gpu = eng.block_manager.match_prefix(p, 4)
@@ -142,7 +142,7 @@ def test_restore_lands_the_saved_bytes(engine_of):
     run(eng, {"a": (p, GREEDY)})
     eng.backend.wait_copies()
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
-    slots = eng.host_tier.match(p, None, 0, 2)
+    slots = eng.host_tier.match(p, 0, 2)
     saved = [eng.backend.host_kv[s].copy() for s in slots]
     eng.backend.kv_cache[:] = 0  # whatever b reads of its prefix must come from the host
     eng.add_request("b", p, GREEDY)
@@ -168,7 +168,7 @@ def test_block_in_flight_is_never_reused(engine_of, tiny_dir):
     ref = engine_of(num_kv_blocks=16, enable_prefix_caching=True, kv_offload=False, kv_offload_host_gib=None)
     run(ref, {"a": (a, GREEDY)})
     want = [ref.backend.kv_cache[bid] for bid in ref.block_manager.match_prefix(a, 5)]
-    got = [eng.backend.host_kv[s] for s in eng.host_tier.match(a, None, 0, 5)]
+    got = [eng.backend.host_kv[s] for s in eng.host_tier.match(a, 0, 5)]
     assert len(got) == 5
     for g, w in zip(got, want):
         np.testing.assert_array_equal(g, w)
@@ -207,7 +207,7 @@ def test_host_tier_full_evicts_lru(engine_of):
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
     st = eng.stats()
     assert st["host_tier_blocks_used"] == n and st["host_tier_evictions"] == 3 * n - n
-    assert eng.host_tier.match(prompts[-1], None, 0, 3) != [] and eng.host_tier.match(prompts[0], None, 0, 3) == []
+    assert eng.host_tier.match(prompts[-1], 0, 3) != [] and eng.host_tier.match(prompts[0], 0, 3) == []
     eng.scheduler.check_integrity()
 
 

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
 import numpy as np
@@ -90,10 +90,10 @@ class LLMEngine:
         if self._closed:
             raise RuntimeError("this openinfer engine is closed")
         params = params or SamplingParams()
-        ids = [int(t) for t in prompt_token_ids]
+        ids = list(map(int, prompt_token_ids))
         V = self.model_config.vocab_size
-        bad = next((t for t in ids if not 0 <= t < V), None)
-        if bad is not None:
+        if ids and (min(ids) < 0 or max(ids) >= V):
+            bad = next(t for t in ids if not 0 <= t < V)
             raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {V})")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
         self.scheduler.add_request(request_id, ids, params, seed)
@@ -183,7 +183,7 @@ class LLMEngine:
     def stats(self) -> dict:
         t = self._timing
         copies = self.backend.copy_stats() if self.host_tier else {}
-        return dict(asdict(self.scheduler.stats()), block_size=self.config.kv_block_size,
+        return dict(vars(self.scheduler.stats()), block_size=self.config.kv_block_size,
                     steps=t["steps"], overlapped_steps=t["overlapped"], step_wall_seconds=t["wall_s"],
                     step_gpu_seconds=t["gpu_s"],
                     last_step_wall_ms=t["last_wall_ms"], last_step_gpu_ms=t["last_gpu_ms"],

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from .block_manager import block_hash
+from .block_manager import PrefixChain, block_hash
 
 
 class _Entry:
@@ -42,21 +42,19 @@ class HostTier:
     def __contains__(self, h: int) -> bool:
         return h in self._by_hash
 
-    def match(self, token_ids: Sequence[int], prev_hash: int | None, first_block: int, max_blocks: int) -> list[int]:
-        """Landed slots holding blocks first_block, first_block + 1, ... of token_ids (the chain continuing
-        from prev_hash, the hash of block first_block - 1), up to block max_blocks - 1; read-only."""
-        bs, out, prev = self.block_size, [], prev_hash
-        for i in range(first_block, min(max_blocks, len(token_ids) // bs)):
-            toks = tuple(token_ids[i * bs:(i + 1) * bs])
-            h = block_hash(prev, toks)
-            slot = self._by_hash.get(h)
+    def match(self, prefix: PrefixChain | Sequence[int], first_block: int, max_blocks: int) -> list[int]:
+        """Landed slots holding blocks first_block, first_block + 1, ... of a prefix (token ids, or their
+        chain), up to block max_blocks - 1; read-only."""
+        chain = prefix if isinstance(prefix, PrefixChain) else PrefixChain(prefix, self.block_size)
+        out = []
+        for i in range(first_block, min(max_blocks, len(chain.blocks))):
+            slot = self._by_hash.get(chain.hashes[i])
             if slot is None:
                 break
             e = self._entries[slot]
-            if not e.landed or e.token_ids != toks or e.prev_hash != prev:  # in flight, or a hash collision
+            if not e.landed or e.token_ids != chain.blocks[i] or e.prev_hash != chain.prev(i):  # in flight, or a collision
                 break
             out.append(slot)
-            prev = h
         return out
 
     def entry(self, slot: int) -> tuple[int, int | None, tuple[int, ...]]:

@@ -16,7 +16,7 @@ import enum
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, block_hash
+from .block_manager import BlockManager, PrefixChain
 from .detokenizer import IncrementalDetokenizer, next_text
 from .host_tier import HostTier
 from .sampling_params import SamplingParams
@@ -67,6 +67,7 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt = len(self.token_ids)
         self.max_len = max_len  # prompt + output tokens at most
+        self.bs = block_size
         # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most
         self.blocks_needed = -(-(max_len - 1) // block_size)
         self.num_computed = 0  # tokens whose K/V are in the cache
@@ -78,6 +79,14 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.restoring = False  # host-tier blocks on their way in: no prefill until they land
+        self._chain: PrefixChain | None = None
+
+    @property
+    def prompt_chain(self) -> PrefixChain:
+        """The prompt's full blocks and their chain hashes (made on first use, kept)."""
+        if self._chain is None:
+            self._chain = PrefixChain(self.token_ids[:self.num_prompt], self.bs)
+        return self._chain
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -283,7 +292,7 @@ class Scheduler:
     def _admit(self, seq: Sequence, batch: ScheduledBatch) -> bool:
         # A hit never covers the last prompt token: it must be recomputed to produce logits.
         max_blocks = (seq.num_prompt - 1) // self.bs
-        hits = self.bm.match_prefix(seq.token_ids, max_blocks)
+        hits = self.bm.match_prefix(seq.prompt_chain, max_blocks)
         cost = (seq.blocks_needed - len(hits)) + sum(self.bm.is_free(b) for b in hits)
         if cost > self.bm.num_free - self.promised_blocks():
             return False
@@ -293,7 +302,7 @@ class Scheduler:
         seq.last_hash = self.bm.blocks[hits[-1]].hash if hits else None
         seq.num_computed = seq.num_cached_tokens = len(hits) * self.bs
         if self.tier is not None:
-            slots = self.tier.match(seq.token_ids, seq.last_hash, len(hits), max_blocks)
+            slots = self.tier.match(seq.prompt_chain, len(hits), max_blocks)
             if slots:
                 self._restore(seq, slots, batch)
         seq.status = Status.RUNNING
@@ -304,11 +313,6 @@ class Scheduler:
         c["prompt_tokens"] += seq.num_prompt
         return True
 
-    def _chain(self, seq: Sequence, n: int) -> int | None:
-        h = None
-        for i in range(n):
-            h = block_hash(h, seq.token_ids[i * self.bs:(i + 1) * self.bs])
-        return h
 
     # ---- the host tier ----
     def _restore(self, seq: Sequence, slots: list[int], batch: ScheduledBatch) -> None:
@@ -355,7 +359,7 @@ class Scheduler:
             r.seq.restoring = False
             r.seq.num_computed = r.seq.num_cached_tokens = r.first * self.bs
             r.seq.num_sealed = r.first
-            r.seq.last_hash = self._chain(r.seq, r.first)
+            r.seq.last_hash = r.seq.prompt_chain.prev(r.first)
 
     def copies_in_flight(self) -> bool:
         return bool(self._saving or self._loading)
@@ -401,10 +405,15 @@ class Scheduler:
         return updates
 
     def _seal(self, seq: Sequence) -> None:
+        chain = seq.prompt_chain
         while (seq.num_sealed + 1) * self.bs <= seq.num_computed:
             i = seq.num_sealed
-            toks, prev = seq.token_ids[i * self.bs:(i + 1) * self.bs], seq.last_hash
-            seq.last_hash = self.bm.seal(seq.block_table[i], prev, toks)
+            prev = seq.last_hash
+            if i < len(chain.blocks) and prev == chain.prev(i):  # a prompt block: its hash is known
+                toks, h = chain.blocks[i], chain.hashes[i]
+            else:
+                toks, h = seq.token_ids[i * self.bs:(i + 1) * self.bs], None
+            seq.last_hash = self.bm.seal(seq.block_table[i], prev, toks, h)
             if self.tier is not None:
                 self._offload(seq.block_table[i], seq.last_hash, prev, toks)
             seq.num_sealed += 1

@@ -183,7 +183,8 @@ def model_field(body: dict) -> str | None:
 
 
 def _token_list(v) -> bool:
-    return isinstance(v, list) and len(v) > 0 and all(_is_int(t) for t in v)
+    # type() and not isinstance: a bool is no token id (and the check runs per token of long prompts)
+    return isinstance(v, list) and len(v) > 0 and all(type(t) is int for t in v)
 
 
 def parse_completion(body: Any, defaults: dict | None = None) -> CompletionRequest:

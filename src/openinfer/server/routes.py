@@ -85,7 +85,7 @@ def _check_model(st: ServerState, model: str | None) -> None:
 
 
 def _check_ids(st: ServerState, ids: list[int], param: str) -> list[int]:
-    if any(not 0 <= t < st.vocab_size for t in ids):
+    if ids and (min(ids) < 0 or max(ids) >= st.vocab_size):
         raise bad(f"token ids must be in [0, {st.vocab_size})", param)
     return ids
 
