@@ -20,6 +20,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=1, help="tokens per sequence in the profiled step (1: decode; "
+                    "more: a prompt's last chunk after ctx cached tokens, e.g. a prefix-cache hit)")
     ap.add_argument("--graph", action="store_true", help="replay the decode CUDA graph (default: eager)")
     ap.add_argument("--steps", type=int, default=1, help="steps between profiler start and stop")
     ap.add_argument("--trace", default=None, help="write the steps' kernels as a Chrome trace (needs torch: "
@@ -28,24 +30,27 @@ def main() -> None:
     import openinfer
     from openinfer import _engine
 
-    eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random", max_model_len=a.ctx + 64,
-                           max_num_seqs=max(8, a.batch), cuda_graph=a.graph)
+    eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random",
+                           max_model_len=a.ctx + 64 + a.chunk * (a.steps + 3), max_num_seqs=max(8, a.batch),
+                           cuda_graph=a.graph)
     r = Runner(eng.llm_engine.backend, 151936)
-    seqs = [r.alloc(a.ctx + 8) for _ in range(a.batch)]
+    seqs = [r.alloc(a.ctx + 8 + a.chunk * (a.steps + 3)) for _ in range(a.batch)]
     for s in seqs:
         r.step([(s, 0, a.ctx - 1)])
+    n = a.chunk
     for i in range(3):
-        r.step([(s, a.ctx - 1 + i, 1) for s in seqs])
+        r.step([(s, a.ctx - 1 + i * n, n) for s in seqs])
+    p0 = a.ctx - 1 + 3 * n
     if a.trace:
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for i in range(a.steps):
-                r.step([(s, a.ctx + 2 + i, 1) for s in seqs])
+                r.step([(s, p0 + i * n, n) for s in seqs])
         prof.export_chrome_trace(a.trace)
         return
     _engine.profiler_start()
     for i in range(a.steps):
-        r.step([(s, a.ctx + 2 + i, 1) for s in seqs])
+        r.step([(s, p0 + i * n, n) for s in seqs])
     _engine.profiler_stop()
 
 
