@@ -9,15 +9,6 @@
 
 namespace oi {
 
-#define OI_INPUT_CHECK(cond, msg)                 \
-  do {                                            \
-    if (!(cond)) {                                \
-      std::ostringstream oi_os_;                  \
-      oi_os_ << "step: " << msg;                  \
-      throw std::invalid_argument(oi_os_.str());  \
-    }                                             \
-  } while (0)
-
 Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_(opt) {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);

@@ -6,15 +6,6 @@
 
 namespace oi {
 
-#define OI_INPUT_CHECK(cond, msg)                 \
-  do {                                            \
-    if (!(cond)) {                                \
-      std::ostringstream oi_os_;                  \
-      oi_os_ << "step: " << msg;                  \
-      throw std::invalid_argument(oi_os_.str());  \
-    }                                             \
-  } while (0)
-
 std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows) {
   const int qt = attn_tokens_per_item(group);
   std::vector<AttnWork> work;

@@ -8,6 +8,16 @@
 #include "../model/qwen3.h"
 #include "step.h"
 
+// A step input out of range: std::invalid_argument (ValueError in Python), naming what is wrong.
+#define OI_INPUT_CHECK(cond, msg)                 \
+  do {                                            \
+    if (!(cond)) {                                \
+      std::ostringstream oi_os_;                  \
+      oi_os_ << "step: " << msg;                  \
+      throw std::invalid_argument(oi_os_.str());  \
+    }                                             \
+  } while (0)
+
 namespace oi {
 
 struct StepLimits {
