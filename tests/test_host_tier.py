@@ -10,6 +10,7 @@ from openinfer import EngineConfig, LLMEngine, SamplingParams
 from openinfer.block_manager import block_hash
 from openinfer.config import ConfigError
 from openinfer.host_tier import HostTier
+from openinfer.tools.random_checkpoint import hf_config, write_checkpoint
 
 BS = 16
 
@@ -61,14 +62,23 @@ def test_tier_full_evicts_least_recently_used_unpinned():
 
 # ---- through the engine (NumPy backend) ----
 
+@pytest.fixture(scope="module")
+def small_dir(tmp_path_factory):
+    """A small model (2 layers, 16k vocabulary, 8 KiB KV blocks): these tests run hundreds of steps."""
+    d = tmp_path_factory.mktemp("tier") / "small"
+    write_checkpoint(d, dict(hf_config("tiny"), vocab_size=16384, hidden_size=64, intermediate_size=128,
+                             num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32), seed=2)
+    return d
+
+
 @pytest.fixture
-def engine_of(tiny_dir):
+def engine_of(small_dir):
     made = []
 
     def make(**kw):
         opts = dict(device="cpu", num_kv_blocks=24, max_model_len=160, kv_offload=True, kv_offload_host_gib=0.01)
         opts.update(kw)
-        eng = LLMEngine(EngineConfig(str(tiny_dir), **opts))
+        eng = LLMEngine(EngineConfig(str(small_dir), **opts))
         made.append(eng)
         return eng
     yield make
@@ -153,7 +163,7 @@ def test_restore_lands_the_saved_bytes(engine_of):
         np.testing.assert_array_equal(eng.backend.kv_cache[bid], data)
 
 
-def test_block_in_flight_is_never_reused(engine_of, tiny_dir):
+def test_block_in_flight_is_never_reused(engine_of):
     """The race the anchors hit: a device block reused while its save is still in flight. Copies land
     three launches late here (their bytes move only then), and the GPU pool is so small that the next
     request must take the finished one's blocks: it has to wait for the saves, and what lands in the host
@@ -198,9 +208,9 @@ def test_abort_during_restore_leaks_nothing(engine_of):
 
 
 def test_host_tier_full_evicts_lru(engine_of):
-    eng = engine_of(enable_prefix_caching=False, kv_offload_host_gib=0.002)
+    eng = engine_of(enable_prefix_caching=False, kv_offload_host_gib=0.00015)  # 19 slots
     n = eng.host_tier.num_slots
-    prompts = [toks(16 * 3 + 1, 1000 * (i + 1)) for i in range(n)]  # 3 blocks each: n / 3 fit
+    prompts = [toks(16 * 3 + 1, 100 * (i + 1)) for i in range(n)]  # 3 blocks each: n / 3 fit
     for i, p in enumerate(prompts):
         run(eng, {f"r{i}": (p, SamplingParams(max_tokens=1, temperature=0.0))})
     eng.backend.wait_copies()

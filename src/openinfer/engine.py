@@ -28,7 +28,8 @@ class LLMEngine:
 
     LOG_PERIOD_S = 10.0
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, drafter=None):
+        """drafter: an openinfer.speculative.Drafter (tests and benchmarks pass one in)."""
         self.config = config
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_files(config.model_files)
@@ -44,9 +45,11 @@ class LLMEngine:
             self.block_manager, self.tokenizer, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
             max_waiting=config.max_waiting,
-            eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids, host_tier=self.host_tier)
+            eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids, host_tier=self.host_tier,
+            drafter=drafter)
         self.runner = Runner(self.backend, config.kv_block_size)
-        self._overlap = config.overlap_steps
+        # A verify step's inputs are the drafts proposed after the step before it: no overlap while speculating.
+        self._overlap = config.overlap_steps and drafter is None
         self._inflight = None  # the step launched and not yet collected (overlapped steps)
         self._launches = 0  # the backend numbers launches 1, 2, ... (copy_progress() speaks of them)
         self._tier_logged, self._tier_key = 0.0, None

@@ -17,10 +17,14 @@ def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
     qsl = np.zeros(len(items) + 1, dtype=np.int32)
     np.cumsum(lens, out=qsl[1:])
     fed = any(it.feed_row >= 0 for it in items)
-    # a token still on the device gets a placeholder here (prev_rows says where to take it from)
-    input_ids = np.fromiter((t for it in items for t in ((0,) if it.feed_row >= 0 else
-                                                         it.seq.token_ids[it.start:it.start + it.num_tokens])),
-                            dtype=np.int32, count=int(qsl[-1]))
+
+    def tokens(it):
+        if it.feed_row >= 0:  # still on the device: a placeholder (prev_rows says where to take it from)
+            return (0,)
+        if it.drafts:  # verify: the anchor (the last kept token) and the proposals after it
+            return (it.seq.token_ids[it.start], *it.drafts)
+        return it.seq.token_ids[it.start:it.start + it.num_tokens]
+    input_ids = np.fromiter((t for it in items for t in tokens(it)), dtype=np.int32, count=int(qsl[-1]))
     row = np.repeat(np.arange(len(items)), lens)  # sequence of each token
     positions = (starts[row] + np.arange(qsl[-1]) - qsl[:-1][row]).astype(np.int32)
     width = max((len(it.seq.block_table) for it in items), default=1)
@@ -29,12 +33,19 @@ def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
         block_tables[b, :len(it.seq.block_table)] = it.seq.block_table
     slot_mapping = (block_tables[row, positions // block_size] * block_size
                     + positions % block_size).astype(np.int32)
-    sampled = [it for it in items if it.sample]
-    sample_mask = np.array([it.sample for it in items], dtype=bool)
+    verify = any(it.drafts for it in items)
+    if verify:  # every row of a verify item samples
+        rows = [it.num_rows for it in items]
+        sample_idx = np.concatenate([np.arange(qsl[b + 1] - n, qsl[b + 1]) for b, n in enumerate(rows) if n]
+                                    or [np.zeros(0, np.int64)]).astype(np.int32)
+        sampled = [it for it, n in zip(items, rows) for _ in range(n)]
+    else:  # an item samples its last token when it reaches the end of the known tokens
+        sampled = [it for it in items if it.sample]
+        sample_idx = (qsl[1:][np.array([it.sample for it in items], dtype=bool)] - 1).astype(np.int32)
     return StepInput(
         input_ids=input_ids, positions=positions, query_start_loc=qsl, context_lens=starts + lens,
         block_tables=block_tables, slot_mapping=slot_mapping,
-        sample_idx=(qsl[1:][sample_mask] - 1).astype(np.int32),
+        sample_idx=sample_idx,
         temperature=np.array([it.seq.params.temperature for it in sampled], dtype=np.float32),
         top_p=np.array([it.seq.params.top_p for it in sampled], dtype=np.float32),
         top_k=np.array([it.seq.params.top_k for it in sampled], dtype=np.int32),
@@ -43,6 +54,7 @@ def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
         prev_rows=np.array([it.feed_row for it in items], dtype=np.int32) if fed else None,
         kv_save=np.array(batch.kv_save, dtype=np.int32).reshape(-1, 2),
         kv_load=np.array(batch.kv_load, dtype=np.int32).reshape(-1, 2),
+        verify=verify,
     )
 
 

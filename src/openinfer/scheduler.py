@@ -57,10 +57,20 @@ class RequestUpdate:
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache
 
+    def extend(self, later: "RequestUpdate") -> "RequestUpdate":
+        """This update followed by a later one of the same request (several tokens in one step)."""
+        self.new_token_ids += later.new_token_ids
+        self.new_text += later.new_text
+        if self.logprobs is not None:
+            self.logprobs += later.logprobs
+        self.finished, self.finish_reason = later.finished, later.finish_reason
+        self.num_output_tokens = later.num_output_tokens
+        return self
+
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 max_len: int, block_size: int, detok: IncrementalDetokenizer):
+                 max_len: int, block_size: int, detok: IncrementalDetokenizer, spec_k: int = 0):
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -68,8 +78,11 @@ class Sequence:
         self.num_prompt = len(self.token_ids)
         self.max_len = max_len  # prompt + output tokens at most
         self.bs = block_size
-        # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most
-        self.blocks_needed = -(-(max_len - 1) // block_size)
+        # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most, plus the k draft
+        # positions a verify step may write past the committed ones
+        self.spec_k = spec_k  # drafts per verify round (0: no speculation)
+        self.drafts: list[int] = []  # proposals for the next verify step
+        self.blocks_needed = -(-(max_len - 1 + spec_k) // block_size)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.num_sealed = 0
@@ -108,6 +121,12 @@ class ScheduledSeq:
     num_tokens: int
     sample: bool  # this chunk reaches the end of the known tokens: it produces a token
     feed_row: int = -1  # >= 0: the input token is row feed_row of the step still in flight (not on the host yet)
+    drafts: list[int] = field(default_factory=list)  # verify: the input is [anchor, *drafts], every row samples
+
+    @property
+    def num_rows(self) -> int:
+        """Sampled rows of this item in the step's output."""
+        return 1 + len(self.drafts) if self.drafts else int(self.sample)
 
 
 @dataclass
@@ -158,12 +177,15 @@ class SchedulerStats:
     offloaded_blocks: int = 0  # blocks whose save to the host tier was issued
     restored_blocks: int = 0
     host_tier_evictions: int = 0
+    spec_rounds: int = 0  # verify steps of speculating sequences
+    spec_draft_tokens: int = 0  # drafts proposed
+    spec_accepted_tokens: int = 0  # drafts accepted (the bonus token not counted)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, tokenizer: Tokenizer, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-                 eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None):
+                 eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None, drafter=None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         self.bm = block_manager
@@ -178,12 +200,14 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.requests: dict[str, Sequence] = {}
         self.tier = host_tier
+        self.drafter = drafter  # openinfer.speculative.Drafter, or None
         self._saves: list[tuple[int, int]] = []  # sealed blocks to save, with the next batch
         self._saving: deque[ScheduledBatch] = deque()  # launched, saves not landed (launch order)
         self._loading: deque[ScheduledBatch] = deque()  # launched, restores not landed
         self._counters = dict(prefix_cache_hit_tokens=0, prefix_cache_queried_tokens=0, prompt_tokens=0,
                               prefill_tokens_computed=0, generation_tokens=0, num_finished=0, host_hit_tokens=0,
-                              offloaded_blocks=0, restored_blocks=0)
+                              offloaded_blocks=0, restored_blocks=0, spec_rounds=0, spec_draft_tokens=0,
+                              spec_accepted_tokens=0)
 
     # ---- requests ----
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int) -> Sequence:
@@ -192,7 +216,8 @@ class Scheduler:
         n = len(prompt_token_ids)
         if n == 0:
             raise RequestRejected("the prompt is empty")
-        pool_tokens = self.bm.num_usable * self.bs
+        k = self.drafter.num_tokens if self.drafter is not None and self.drafter.serves(params) else 0
+        pool_tokens = self.bm.num_usable * self.bs - k  # a verify step may write k positions past the last
         if params.max_tokens is None:
             # "up to max_model_len", bounded by what the KV pool can ever hold (K/V of all but the last)
             max_len = min(self.max_model_len, pool_tokens + 1)
@@ -212,7 +237,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, max_len, self.bs, detok)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, max_len, self.bs, detok, k)
         self.waiting.append(seq)
         self.requests[request_id] = seq
         return seq
@@ -249,8 +274,10 @@ class Scheduler:
         if prev is None:
             for seq in self.running:
                 if seq.num_computed >= seq.num_prompt and not seq.restoring:
-                    batch.items.append(ScheduledSeq(seq, seq.num_computed, 1, True))
-                    budget -= 1
+                    # a speculating sequence verifies [anchor, drafts] (drafts never run past max_len)
+                    drafts = seq.drafts[:max(0, seq.max_len - len(seq.token_ids) - 1)]
+                    batch.items.append(ScheduledSeq(seq, seq.num_computed, 1 + len(drafts), True, drafts=drafts))
+                    budget -= 1 + len(drafts)
         else:
             row = 0
             for it in prev.items:
@@ -389,20 +416,50 @@ class Scheduler:
     def postprocess(self, batch: ScheduledBatch, out: StepOutput) -> list[RequestUpdate]:
         updates, row = [], 0
         try:
-            for it in batch.items:
+            for b, it in enumerate(batch.items):
                 seq = it.seq
                 r = row
-                row += it.sample
+                row += it.num_rows
                 if seq.status is not Status.RUNNING:  # aborted (or finished) while the step ran
+                    continue
+                if it.drafts:
+                    updates.append(self._commit_verified(seq, it, out, r, int(out.accepted[b])))
                     continue
                 seq.num_computed = it.start + it.num_tokens
                 self._seal(seq)
                 if it.sample:
                     updates.append(self._append_token(seq, out, r))
+                    self._draft(seq)
         finally:  # a finished sequence must never stay in `running`, even if a later one raised
             if any(s.status is Status.FINISHED for s in self.running):
                 self.running = [s for s in self.running if s.status is Status.RUNNING]
         return updates
+
+    # ---- speculative decoding ----
+    def _commit_verified(self, seq: Sequence, it: ScheduledSeq, out: StepOutput, r: int, accepted: int) -> RequestUpdate:
+        """A verify of [anchor, d1..dk]: the first `accepted` rows' tokens are the target's own (d1.. up to the
+        first mismatch, then its token there), so they are kept, one by one through the stop checks; the K/V
+        of the anchor and the kept drafts stay, the rest is rolled back (the length moves back; those slots
+        are written again later)."""
+        c = self._counters
+        c["spec_rounds"] += 1
+        c["spec_draft_tokens"] += len(it.drafts)
+        c["spec_accepted_tokens"] += accepted - 1
+        merged = None
+        for j in range(accepted):  # as plain decode steps would: the K/V up to the row's position, then its token
+            seq.num_computed = it.start + j + 1
+            self._seal(seq)
+            u = self._append_token(seq, out, r + j)
+            merged = u if merged is None else merged.extend(u)
+            if u.finished:
+                break
+        self._draft(seq)
+        return merged
+
+    def _draft(self, seq: Sequence) -> None:
+        """The next round's proposals, once the sequence has its first token and goes on."""
+        if seq.spec_k and seq.status is Status.RUNNING:
+            seq.drafts = list(self.drafter.propose(seq))[:seq.spec_k]
 
     def _seal(self, seq: Sequence) -> None:
         chain = seq.prompt_chain
