@@ -100,6 +100,8 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
     }
   }
   OI_INPUT_CHECK(in.n_tap_rows == 0 || in.n_tap_layers > 0, "tap_rows without tap_layers");
+  // The CUDA engine has no drafter yet (speculative decoding runs on the CPU backend).
+  for (int64_t b = 0; b < in.n_draft; ++b) OI_INPUT_CHECK(in.draft[b] == 0, "draft: no drafter is loaded");
   for (int64_t i = 0; i < in.n_tap_rows; ++i)
     OI_INPUT_CHECK(in.tap_rows[i] >= 0 && in.tap_rows[i] < T, "tap row " << in.tap_rows[i] << " out of range");
   plan_copies(in, lim);

@@ -24,6 +24,7 @@ namespace oi {
   X(int32_t, top_k, S)            \
   X(uint64_t, seeds, S)           \
   X(int32_t, prev_rows, B_OPT)    \
+  X(int32_t, draft, B_OPT)        \
   X(int32_t, tap_layers, ANY)     \
   X(int32_t, tap_rows, ANY)       \
   X(int32_t, kv_save, PAIRS)      \
@@ -62,13 +63,15 @@ struct StepInput {
   X(float, top_logprobs, r.num_logprobs > 0, r.S, r.num_logprobs)              \
   X(float, logits, r.logit_rows > 0, r.logit_rows, r.vocab)                    \
   X(int32_t, accepted, r.accepted_rows > 0, r.accepted_rows, 0)                \
-  X(uint16_t, hidden, r.tap_rows > 0, r.tap_rows, r.tap_width)
+  X(uint16_t, hidden, r.tap_rows > 0, r.tap_rows, r.tap_width)                \
+  X(int32_t, drafts, r.draft_rows > 0, r.draft_rows, r.num_drafts)
 
 struct StepResult {
 #define OI_DECLARE_OUTPUT(type, name, present, rows, cols) std::vector<type> name;
   OI_STEP_OUTPUTS(OI_DECLARE_OUTPUT)
 #undef OI_DECLARE_OUTPUT
   int S = 0, num_logprobs = 0, logit_rows = 0, vocab = 0, accepted_rows = 0, tap_rows = 0, tap_width = 0;
+  int draft_rows = 0, num_drafts = 0;
   float gpu_ms = 0.f;
 };
 

@@ -170,8 +170,8 @@ class EngineConfig:
                               "restore prefixes from it (with the prefix cache off: every hit comes from the host)")
     kv_offload_host_gib: float | None = option(None, "size of the host KV tier in GiB (needs --kv-offload)")
     draft_model_path: str | None = option(
-        None, "DFlash/DSpark draft model directory for speculative decoding (NOT BUILT YET: refused)",
-        flag="--dflash-draft-model-path")
+        None, "DFlash or DSpark drafter directory: speculative decoding, lossless at any temperature (the CPU "
+        "backend only so far)", flag="--dflash-draft-model-path")
     cuda_graph: bool = option(True, "replay decode steps from captured CUDA graphs")
     pdl: bool = option(True, "programmatic dependent launch: a kernel streams its weights while the previous one "
                        "ends (sm_90+)")
@@ -185,6 +185,7 @@ class EngineConfig:
                                  "scheduling and streaming run while the GPU works")
     model_files: ModelFiles = field(init=False, repr=False)
     model_config: ModelConfig = field(init=False, repr=False)
+    drafter_config: object = field(init=False, repr=False)  # openinfer.drafter.DrafterConfig, or None
 
     def __post_init__(self):
         if self.model_path is None:
@@ -211,10 +212,19 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
             raise ConfigError("{num_kv_blocks} must be an integer >= 2 (block 0 is reserved), got "
                               + repr(self.num_kv_blocks))
-        if self.draft_model_path is not None:
-            raise ConfigError("{draft_model_path} (speculative decoding) is not built yet")
         self.model_files = ModelFiles.read(check_model_dir(self.model_path))  # each HF file read once, here
         self.model_config = ModelConfig.from_dict(self.model_files.config, self.model_files.generation_config)
+        self.drafter_config = None
+        if self.draft_model_path is not None:
+            from .drafter import DrafterConfig
+            if self.device != "cpu":
+                raise ConfigError("{draft_model_path} (speculative decoding) runs on the CPU backend only so far "
+                                  "({device} cpu); the CUDA drafter is not built yet")
+            if self.kv_offload:
+                raise ConfigError("{draft_model_path} and {kv_offload} together are not supported yet")
+            self.draft_model_path = str(self.draft_model_path)
+            self.drafter_config = DrafterConfig.from_dir(self.draft_model_path)
+            self.drafter_config.check_target(self.model_config)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, MAX_MODEL_LEN_CAP)

@@ -29,8 +29,12 @@ class LLMEngine:
     LOG_PERIOD_S = 10.0
 
     def __init__(self, config: EngineConfig, drafter=None):
-        """drafter: an openinfer.speculative.Drafter (tests and benchmarks pass one in)."""
+        """drafter: an openinfer.speculative.Drafter (tests and benchmarks pass one in); by default the
+        backend's, when config.draft_model_path names one."""
         self.config = config
+        if drafter is None and config.drafter_config is not None:
+            from .speculative import BackendDrafter
+            drafter = BackendDrafter(config.drafter_config.num_drafts)
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_files(config.model_files)
         # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
@@ -75,7 +79,12 @@ class LLMEngine:
         else:
             from .loader import load_weights_fp32
             weights = load_weights_fp32(c.model_path, m)
-        return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size, c.num_host_blocks)
+        drafter = None
+        if c.drafter_config is not None:
+            from .drafter import load_drafter_fp32
+            drafter = (c.drafter_config, load_drafter_fp32(c.draft_model_path, c.drafter_config))
+        return ReferenceBackend(m, weights, c.cpu_num_kv_blocks(), c.kv_block_size, c.num_host_blocks,
+                                drafter=drafter)
 
     def close(self) -> None:
         """Drops every request and releases the backend's memory (the GPU's at once). Idempotent; the

@@ -122,6 +122,7 @@ class ScheduledSeq:
     sample: bool  # this chunk reaches the end of the known tokens: it produces a token
     feed_row: int = -1  # >= 0: the input token is row feed_row of the step still in flight (not on the host yet)
     drafts: list[int] = field(default_factory=list)  # verify: the input is [anchor, *drafts], every row samples
+    draft: bool = False  # the backend drafts the next round after this step (a drafter in the backend)
 
     @property
     def num_rows(self) -> int:
@@ -300,10 +301,12 @@ class Scheduler:
             self.waiting.popleft()
             if not seq.restoring:
                 budget -= self._add_chunk(batch, seq, budget, seq.num_computed)
+        in_backend = self.drafter is not None and self.drafter.in_backend
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
             need = -(-(it.start + it.num_tokens) // self.bs)
             while len(it.seq.block_table) < need:
                 it.seq.block_table.append(self.bm.allocate())
+            it.draft = in_backend and it.seq.spec_k > 0 and it.num_rows > 0
         batch.kv_save, self._saves = self._saves, []
         return batch
 
@@ -424,12 +427,13 @@ class Scheduler:
                     continue
                 if it.drafts:
                     updates.append(self._commit_verified(seq, it, out, r, int(out.accepted[b])))
+                    self._draft(seq, out, b)
                     continue
                 seq.num_computed = it.start + it.num_tokens
                 self._seal(seq)
                 if it.sample:
                     updates.append(self._append_token(seq, out, r))
-                    self._draft(seq)
+                    self._draft(seq, out, b)
         finally:  # a finished sequence must never stay in `running`, even if a later one raised
             if any(s.status is Status.FINISHED for s in self.running):
                 self.running = [s for s in self.running if s.status is Status.RUNNING]
@@ -453,12 +457,16 @@ class Scheduler:
             merged = u if merged is None else merged.extend(u)
             if u.finished:
                 break
-        self._draft(seq)
         return merged
 
-    def _draft(self, seq: Sequence) -> None:
-        """The next round's proposals, once the sequence has its first token and goes on."""
-        if seq.spec_k and seq.status is Status.RUNNING:
+    def _draft(self, seq: Sequence, out: StepOutput, b: int) -> None:
+        """The next round's proposals, once the sequence has its first token and goes on: from the step's
+        output (a drafter in the backend) or from the drafter itself."""
+        if not seq.spec_k or seq.status is not Status.RUNNING:
+            return
+        if self.drafter.in_backend:
+            seq.drafts = [int(t) for t in out.drafts[b] if t >= 0][:seq.spec_k]
+        else:
             seq.drafts = list(self.drafter.propose(seq))[:seq.spec_k]
 
     def _seal(self, seq: Sequence) -> None:

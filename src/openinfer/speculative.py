@@ -16,14 +16,32 @@ from .sampling_params import SamplingParams
 
 class Drafter(Protocol):
     num_tokens: int  # k: proposals per round at most
+    in_backend: bool  # True: the backend drafts during the step (StepInput.draft -> StepOutput.drafts)
 
     def serves(self, params: SamplingParams) -> bool:
         """Whether a request with these parameters speculates (the others run plainly beside it)."""
         ...
 
     def propose(self, seq) -> Seq[int]:
-        """Up to num_tokens proposals for the tokens after seq.token_ids (a scheduler Sequence)."""
+        """Up to num_tokens proposals for the tokens after seq.token_ids (a scheduler Sequence); only
+        when not in_backend."""
         ...
+
+
+class BackendDrafter:
+    """The backend's DFlash / DSpark drafter (openinfer.drafter): it drafts inside each step, from the
+    target's tap layers, and the scheduler reads the proposals from the step's output."""
+
+    in_backend = True
+
+    def __init__(self, num_tokens: int):
+        self.num_tokens = num_tokens
+
+    def serves(self, params: SamplingParams) -> bool:
+        return params.logprobs is None
+
+    def propose(self, seq):
+        raise AssertionError("a backend drafter's proposals come with the step's output")
 
 
 class ReplayDrafter:
@@ -31,6 +49,8 @@ class ReplayDrafter:
     test drafter whose proposals the target accepts except where its own numerics differ between the
     plain and the verify step (near-ties). With `accept` = tau, only the first tau - 1 proposals of a round
     are the recording and the rest are wrong, so each round keeps tau tokens: a controlled acceptance."""
+
+    in_backend = False
 
     def __init__(self, recordings: dict[tuple[int, ...], Seq[int]], num_tokens: int, vocab_size: int,
                  accept: int | None = None):

@@ -45,6 +45,9 @@ class StepInput:
     # Speculative verify of [anchor, d1..dk]: a sequence's sampled rows sit on consecutive tokens, in order;
     # StepOutput.accepted counts how many of their tokens to keep.
     verify: bool = False
+    # Speculative decoding with a drafter in the backend: draft[b] = 1 drafts the next round for sequence b
+    # after this step (anchor: the token of its last kept row), into StepOutput.drafts.
+    draft: np.ndarray | None = None  # int32 [B]
     # Hidden states of the residual stream after each layer in tap_layers, at the tokens tap_rows.
     tap_layers: np.ndarray = field(default_factory=_i32)  # int32 [L] distinct layer indices
     tap_rows: np.ndarray = field(default_factory=_i32)    # int32 [R] token indices
@@ -73,6 +76,7 @@ class StepOutput:
     logits: np.ndarray | None = None          # float32 [S, V] when return_logits
     accepted: np.ndarray | None = None        # int32 [B] verify: 1 + drafts matched before the first mismatch
     hidden: np.ndarray | None = None          # float32 [R, L, hidden] when tap_rows are asked for
+    drafts: np.ndarray | None = None          # int32 [B, k] when draft is given: -1 where b did not draft
     gpu_ms: float = 0.0                       # device time of the forward (0 on the CPU backend)
 
 

@@ -22,7 +22,8 @@ class ReferenceBackend:
     shows up as wrong data, as it would on the GPU."""
 
     def __init__(self, model_config: ModelConfig, weights: dict[str, np.ndarray], num_blocks: int,
-                 block_size: int = 16, num_host_blocks: int = 0, copy_latency: int = 0):
+                 block_size: int = 16, num_host_blocks: int = 0, copy_latency: int = 0, drafter=None):
+        """drafter: (DrafterConfig, its fp32 weights) for speculative decoding, or None."""
         c = self.cfg = model_config
         self.block_size = block_size
         self.num_kv_blocks = num_blocks
@@ -40,6 +41,10 @@ class ReferenceBackend:
         self._launches = 0
         self._copies: deque[tuple[int, np.ndarray, np.ndarray]] = deque()  # (launch, saves, loads) not landed
         self._stats = dict(saved_bytes=0, restored_bytes=0, restore_seconds=0.0)
+        self.drafter = None
+        if drafter is not None:
+            from .drafter import ReferenceDrafter
+            self.drafter = ReferenceDrafter(*drafter, self.embed, self.lm_head, num_blocks, block_size)
 
     def close(self) -> None:
         self.w, self.kv_cache, self.host_kv = {}, None, None
@@ -126,6 +131,8 @@ class ReferenceBackend:
             if (dev < 1).any() or (dev >= self.num_kv_blocks).any() or (host < 0).any() \
                     or (host >= self.num_host_blocks).any():
                 raise ValueError(f"step: {name} block out of range")
+        if s.draft is not None and (len(s.draft) != B or (np.asarray(s.draft) != 0).any() and self.drafter is None):
+            raise ValueError("step: draft needs a drafter and one entry per sequence")
         if s.verify:
             seq = np.searchsorted(qsl, s.sample_idx, side="right") - 1
             if (np.diff(s.sample_idx) < 1).any() or ((np.diff(seq) == 0) & (np.diff(s.sample_idx) != 1)).any():
@@ -135,9 +142,13 @@ class ReferenceBackend:
     def _run(self, s: StepInput, ids: np.ndarray) -> StepOutput:
         if not len(ids):  # a step of copies only
             return StepOutput(tokens=np.zeros(0, np.int32), logprobs=np.zeros(0, F32))
-        taps = np.asarray(s.tap_layers)
+        # the drafter's context needs its tap layers at every token; the step's own taps are a subset then
+        asked, rows = [int(x) for x in s.tap_layers], np.asarray(s.tap_rows)
+        taps = sorted(set(asked) | set(self.drafter.tap_layers)) if self.drafter else asked
+        if self.drafter:
+            rows = np.arange(len(ids))
         hidden, tapped = self._forward(ids, s.positions, s.query_start_loc, s.context_lens, s.block_tables,
-                                       s.slot_mapping, s.sample_idx, taps, np.asarray(s.tap_rows))
+                                       s.slot_mapping, s.sample_idx, np.array(taps, np.int32), rows)
         logits = hidden @ self.lm_head.T  # [S, V], only rows that sample
         tokens = ops.sample(logits, s.temperature, s.top_p, s.top_k, s.seeds, s.positions[s.sample_idx])
         lp = ops.log_softmax(logits)
@@ -149,8 +160,29 @@ class ReferenceBackend:
         if s.verify:
             out.accepted = accepted_counts(ids, s.query_start_loc, s.sample_idx, tokens)
         if len(s.tap_rows):
-            out.hidden = tapped
+            out.hidden = tapped[np.asarray(s.tap_rows)] if self.drafter else tapped
+            out.hidden = out.hidden[:, [taps.index(l) for l in asked]]
+        if self.drafter:
+            self.drafter.write_context(tapped[:, [taps.index(l) for l in self.drafter.tap_layers]], s.positions,
+                                       s.slot_mapping)
+            if s.draft is not None:
+                out.drafts = self._draft(s, out)
         return out
+
+    def _draft(self, s: StepInput, out: StepOutput) -> np.ndarray:
+        """Each drafting sequence's proposals after its last kept row's token."""
+        qsl = np.asarray(s.query_start_loc)
+        seq_of_row = np.searchsorted(qsl, s.sample_idx, side="right") - 1
+        drafts = np.full((len(s.draft), self.drafter.cfg.num_drafts), -1, np.int32)
+        for b in np.flatnonzero(np.asarray(s.draft)):
+            rows = np.flatnonzero(seq_of_row == b)
+            if not len(rows):
+                raise ValueError(f"step: sequence {b} drafts but samples no row")
+            r = rows[0] + (int(out.accepted[b]) - 1 if out.accepted is not None else len(rows) - 1)
+            drafts[b] = self.drafter.propose(int(out.tokens[r]), int(s.positions[s.sample_idx[r]]) + 1,
+                                             s.block_tables[b], float(s.temperature[r]), float(s.top_p[r]),
+                                             int(s.top_k[r]), int(s.seeds[r]))
+        return drafts
 
     def _forward(self, input_ids, positions, qsl, context_lens, block_tables, slot_mapping, sample_idx,
                  tap_layers=(), tap_rows=()):
@@ -200,9 +232,10 @@ def accepted_counts(ids, query_start_loc, sample_idx, tokens) -> np.ndarray:
     return out
 
 
-def dense_forward(cfg: ModelConfig, weights: dict[str, np.ndarray], token_ids) -> np.ndarray:
+def dense_forward(cfg: ModelConfig, weights: dict[str, np.ndarray], token_ids, hidden_states: bool = False):
     """Logits [T, V] of one whole sequence: no cache, no pages, HF-style math written out again
-    (rotate_half RoPE over full-width cos/sin, KV heads repeated, triangular mask)."""
+    (rotate_half RoPE over full-width cos/sin, KV heads repeated, triangular mask). With hidden_states,
+    (logits, [the residual stream after each layer]) (HF's hidden_states[1:], but the last one unnormed)."""
     ids = np.asarray(token_ids, dtype=np.int64)
     T, D, nH, nKV = len(ids), cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
     W = {k: np.asarray(v, dtype=np.float32) for k, v in weights.items()}
@@ -221,6 +254,7 @@ def dense_forward(cfg: ModelConfig, weights: dict[str, np.ndarray], token_ids) -
 
     causal = np.triu(np.ones((T, T), dtype=bool), k=1)
     h = W["model.embed_tokens.weight"][ids]
+    states = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         x = norm(h, W[p + "input_layernorm.weight"])
@@ -237,6 +271,8 @@ def dense_forward(cfg: ModelConfig, weights: dict[str, np.ndarray], token_ids) -
         x = norm(h, W[p + "post_attention_layernorm.weight"])
         g = x @ W[p + "mlp.gate_proj.weight"].T
         h = h + ((g / (1 + np.exp(-g))) * (x @ W[p + "mlp.up_proj.weight"].T)) @ W[p + "mlp.down_proj.weight"].T
+        states.append(h)
     head = W.get("lm_head.weight", W["model.embed_tokens.weight"]) if not cfg.tie_word_embeddings \
         else W["model.embed_tokens.weight"]
-    return norm(h, W["model.norm.weight"]) @ head.T
+    logits = norm(h, W["model.norm.weight"]) @ head.T
+    return (logits, states) if hidden_states else logits
