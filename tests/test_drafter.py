@@ -209,3 +209,31 @@ def test_prefix_hit_serves_the_drafter_too(tiny_dir, drafter_dir):
     hit = _run(eng, {"b": (p, sp)})["b"]
     assert eng.stats()["prefix_cache_hit_tokens"] == 64 and hit == cold
     assert [d for r, d in seen if r == "a"] == [d for r, d in seen if r == "b"]
+
+
+def test_server_speculates_and_reports_it(tiny_dir, drafter_dir):
+    """The OpenAI server on the CPU backend with a drafter: completions, plain and streamed, equal the
+    server's answers without it, and /metrics counts the rounds."""
+    import httpx
+    from test_server_harness import RunningServer, metric
+
+    body = {"model": "m", "prompt": "The capital of France is", "max_tokens": 9, "temperature": 0, "ignore_eos": True}
+    texts = {}
+    for name, kw in (("plain", {}), ("spec", {"draft_model_path": str(drafter_dir)})):
+        srv = RunningServer(LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=48, max_model_len=256,
+                                                   **kw)), served_model_name="m")
+        try:
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            texts[name] = r.json()["choices"][0]["text"]
+            s = httpx.post(srv.url + "/v1/completions", json=dict(body, stream=True), timeout=60).text
+            assert s.rstrip().endswith("data: [DONE]")
+            streamed = "".join(json.loads(line[6:])["choices"][0]["text"] for line in s.splitlines()
+                               if line.startswith("data: {") and json.loads(line[6:])["choices"])
+            assert streamed == texts[name]
+            if name == "spec":
+                assert metric(srv.url, "openinfer_spec_rounds_total") > 0
+                assert metric(srv.url, "openinfer_spec_mean_acceptance_length") >= 1
+        finally:
+            srv.stop()
+    assert texts["spec"] == texts["plain"]

@@ -40,7 +40,7 @@ class LLMEngine:
         # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
         threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
         self.backend = self._make_backend()
-        self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0)
+        self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0, verify_s=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         nh = self.backend.num_host_blocks
@@ -158,8 +158,12 @@ class LLMEngine:
                     sched.copies_landed(*self.backend.copy_progress())
                 return [], False
             if not self._overlap:
+                t0 = time.perf_counter()
                 self._launch(batch, before_launch)
-                return sched.postprocess(batch, self.runner.collect()), True
+                out = self.runner.collect()
+                if any(it.drafts for it in batch.items):  # a verify step (its drafting included, when in the backend)
+                    self._timing["verify_s"] += time.perf_counter() - t0
+                return sched.postprocess(batch, out), True
             self._launch(batch, before_launch)
             self._inflight = batch
             return [], False
@@ -203,7 +207,8 @@ class LLMEngine:
                     # there means the host time was hidden entirely
                     last_step_host_ms=max(0.0, t["last_wall_ms"] - t["last_gpu_ms"]),
                     offloaded_bytes=copies.get("saved_bytes", 0), restored_bytes=copies.get("restored_bytes", 0),
-                    restore_seconds=copies.get("restore_seconds", 0.0))
+                    restore_seconds=copies.get("restore_seconds", 0.0), spec_verify_seconds=t["verify_s"],
+                    spec_draft_seconds=getattr(getattr(self.backend, "drafter", None), "seconds", 0.0))
 
     def _log_host_tier(self) -> None:
         """Every LOG_PERIOD_S while the tier is in use: its occupancy and traffic, in the engine log."""

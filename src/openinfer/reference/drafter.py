@@ -16,6 +16,8 @@ target's whatever the drafter proposes.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..drafter import DrafterConfig
@@ -31,6 +33,7 @@ class ReferenceDrafter:
         self.embed, self.lm_head = embed, lm_head  # the target's (a DSpark checkpoint's copies are the same)
         self.block_size = block_size
         self.kv = np.zeros((num_blocks, cfg.num_hidden_layers, 2, cfg.num_key_value_heads, block_size, cfg.head_dim), F32)
+        self.seconds = 0.0  # time spent drafting (the context K/V and the blocks)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -39,6 +42,11 @@ class ReferenceDrafter:
     def write_context(self, taps: np.ndarray, positions: np.ndarray, slots: np.ndarray) -> None:
         """taps [T, n_taps, H]: the target's residual streams of a step's tokens; their context K/V go to
         the drafter's cache at the step's slots (-1: none)."""
+        t0 = time.perf_counter()
+        self._write_context(taps, positions, slots)
+        self.seconds += time.perf_counter() - t0
+
+    def _write_context(self, taps, positions, slots) -> None:
         c, w = self.cfg, self.w
         T = len(positions)
         x = taps.reshape(T, -1) @ w["fc.weight"].T
@@ -54,6 +62,13 @@ class ReferenceDrafter:
     def propose(self, anchor: int, p: int, block_table: np.ndarray, temperature: float, top_p: float, top_k: int,
                 seed: int) -> list[int]:
         """The round's drafts after the anchor at position p, the context being positions < p."""
+        t0 = time.perf_counter()
+        try:
+            return self._propose(anchor, p, block_table, temperature, top_p, top_k, seed)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def _propose(self, anchor, p, block_table, temperature, top_p, top_k, seed) -> list[int]:
         c, w = self.cfg, self.w
         B, bs = c.block_size, self.block_size
         x = self.embed[[anchor] + [c.mask_token_id] * (B - 1)]

@@ -80,6 +80,16 @@ class _EngineCollector:
         yield counter("openinfer_host_restored_bytes", "Bytes copied host to device (landed)", stat(s, "restored_bytes"))
         yield counter("openinfer_host_restore_seconds", "Device time of the landed restore copies (bandwidth: "
                       "restored_bytes / this)", stat(s, "restore_seconds"))
+        # speculative decoding (all 0 without a drafter)
+        rounds, acc = stat(s, "spec_rounds"), stat(s, "spec_accepted_tokens")
+        yield counter("openinfer_spec_rounds", "Verify steps of speculating requests (rounds)", rounds)
+        yield counter("openinfer_spec_draft_tokens", "Draft tokens proposed", stat(s, "spec_draft_tokens"))
+        yield counter("openinfer_spec_accepted_tokens", "Draft tokens accepted (the bonus token not counted)", acc)
+        yield gauge("openinfer_spec_mean_acceptance_length", "Tokens kept per round, the bonus included "
+                    "((accepted + rounds) / rounds)", (acc + rounds) / rounds if rounds else 0.0)
+        yield counter("openinfer_spec_draft_seconds", "Time spent drafting", stat(s, "spec_draft_seconds"))
+        yield counter("openinfer_spec_verify_seconds", "Wall time of verify steps (drafting inside them included)",
+                      stat(s, "spec_verify_seconds"))
 
 
 class Metrics:
