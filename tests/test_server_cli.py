@@ -62,9 +62,11 @@ def test_flags_are_the_config_fields():
             assert actions[f.name].help.count("(default:") <= 1, f.name
 
 
-def test_unbuilt_features_refused(tiny):
+def test_draft_model_refusals_name_the_flags(tiny):
     r = cli("--model-path", tiny, "--device", "cpu", "--dflash-draft-model-path", "models/draft")
-    assert r.returncode != 0 and "not built yet" in r.stderr and "--dflash-draft-model-path" in r.stderr
+    assert r.returncode == 2 and "--dflash-draft-model-path 'models/draft' has no config.json" in r.stderr
+    r = cli("--model-path", tiny, "--dflash-draft-model-path", "models/draft")  # the CUDA drafter is not built
+    assert r.returncode == 2 and "CPU backend only so far (--device cpu)" in r.stderr
 
 
 @pytest.mark.parametrize("args,needle", [(["--kv-offload-host-gib", "4"], "--kv-offload-host-gib needs --kv-offload"),

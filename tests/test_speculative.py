@@ -182,6 +182,8 @@ class _GreedyDrafter:
     """Proposes the target's greedy continuation (dense fp32 forwards): at temperature 1 the target's sample
     matches it now and then, so verify rounds both accept and reject."""
 
+    in_backend = False
+
     def __init__(self, model_config, weights, k):
         self.m, self.w, self.num_tokens = model_config, weights, k
 
