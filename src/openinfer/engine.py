@@ -59,12 +59,8 @@ class LLMEngine:
     def _make_backend(self):
         c, m = self.config, self.model_config
         if c.device == "cuda":
-            try:
-                from .cuda_backend import CudaBackend
-                return CudaBackend(m, c)  # its own errors (no GPU, out of memory) propagate as they are
-            except ImportError as e:  # the compiled _engine (or the module) is missing
-                raise RuntimeError(f"device='cuda' needs openinfer's compiled CUDA engine, which could not be "
-                                   f"imported ({e}); use device='cpu' for the NumPy reference backend") from None
+            from .cuda_backend import CudaBackend
+            return CudaBackend(m, c)  # EngineUnavailable without an engine or a GPU
         from .reference import ReferenceBackend
         if c.load_format == "random":
             from .tools.random_checkpoint import random_weights_fp32
