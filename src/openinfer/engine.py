@@ -15,7 +15,7 @@ from .block_manager import BlockManager
 from .host_tier import HostTier
 from .config import EngineConfig
 from .runner import Runner
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, default_params
 from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, Scheduler
 from .tokenizer import Tokenizer
 
@@ -228,6 +228,7 @@ class Engine:
     def __init__(self, model_path: str, **options):
         self.llm_engine = LLMEngine(EngineConfig(model_path=model_path, **options))
         self.tokenizer = self.llm_engine.tokenizer
+        self.default_params = default_params(self.llm_engine.config.model_files.generation_config)
 
     def close(self) -> None:
         """Releases the model's memory now (GPU weights, KV cache, graphs); `with Engine(...) as e:`
@@ -243,13 +244,15 @@ class Engine:
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token ids, or a list of such lists.
-        Returns one RequestOutput per prompt, in input order; all prompts batch together."""
+        Returns one RequestOutput per prompt, in input order; all prompts batch together.
+        Without sampling_params a prompt runs with `default_params`: what a /v1/completions request that
+        sets nothing gets (the model's generation_config.json sampling, max_tokens 16)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):
