@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SRC = str(ROOT / "src")
 
 
-def cli_env(bin_dir: Path) -> dict:
+def command_env(bin_dir: Path) -> dict:
     """os.environ with src/ on PYTHONPATH and, when `openinfer-serve` is not installed, a console script
     written into bin_dir in front of PATH."""
     env = dict(os.environ, PYTHONPATH=SRC + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
-from cli_util import cli_env, one_line, run
+from cli_util import one_line, run
 from openinfer import __version__
 from openinfer.cli import build_parser, engine_config, main, server_config
 from openinfer.config import EngineConfig, EngineUnavailable, ServerConfig
@@ -26,26 +26,21 @@ FLAGS = ["--model-path", "--host", "--port", "--served-model-name", "--gpu-memor
 FAST_S = 1.0  # a refusal that needs no weights: well under the 2+ s the tiny model takes to load
 
 
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    return cli_env(tmp_path_factory.mktemp("bin"))
-
-
 def serve(env, *args):
     return run(env, "openinfer-serve", *args)
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory, env):
+def tiny(tmp_path_factory, cli_env):
     out = tmp_path_factory.mktemp("cli") / "tiny-model"
-    r, _ = run(env, "python", "-m", "openinfer.tools.random_checkpoint", "--preset", "tiny", "--out", str(out),
+    r, _ = run(cli_env, "python", "-m", "openinfer.tools.random_checkpoint", "--preset", "tiny", "--out", str(out),
                timeout=120)
     assert r.returncode == 0, r.stderr
     return str(out)
 
 
-def test_help_explains_every_flag(env):
-    r, _ = serve(env, "--help")
+def test_help_explains_every_flag(cli_env):
+    r, _ = serve(cli_env, "--help")
     assert r.returncode == 0
     for flag in FLAGS:
         assert flag in r.stdout, flag
@@ -67,8 +62,8 @@ def test_flags_are_the_config_fields():
             assert actions[f.name].help.count("(default:") <= 1, f.name
 
 
-def test_version_without_gpu_or_engine(env):
-    r, dt = serve(env, "--version")
+def test_version_without_gpu_or_engine(cli_env):
+    r, dt = serve(cli_env, "--version")
     assert r.returncode == 0 and r.stdout.strip() == version_line() and dt < FAST_S, (r.stdout, dt)
     assert r.stdout.startswith(f"openinfer {__version__} (CUDA engine ")
 
@@ -83,38 +78,38 @@ def test_version_without_gpu_or_engine(env):
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer"),
     (["--dflash-draft-model-path", "models/draft"], "--dflash-draft-model-path (speculative decoding) is not built yet"),
 ])
-def test_refusals_are_one_line_before_the_model_loads(env, tiny, args, needle):
-    r, dt = serve(env, "--model-path", tiny, "--device", "cpu", *args)
+def test_refusals_are_one_line_before_the_model_loads(cli_env, tiny, args, needle):
+    r, dt = serve(cli_env, "--model-path", tiny, "--device", "cpu", *args)
     assert r.returncode == 2 and needle in one_line(r.stderr) and dt < FAST_S, (r.stderr, dt)
 
 
-def test_port_in_use_is_refused_before_the_model_loads(env, tiny):
+def test_port_in_use_is_refused_before_the_model_loads(cli_env, tiny):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        r, dt = serve(env, "--model-path", tiny, "--device", "cpu", "--port", str(port))
+        r, dt = serve(cli_env, "--model-path", tiny, "--device", "cpu", "--port", str(port))
     assert r.returncode == 2 and dt < FAST_S, (r.stderr, dt)
     assert one_line(r.stderr) == f"openinfer-serve: cannot listen on 127.0.0.1:{port}: Address already in use"
 
 
-def test_model_path_messages(env, tiny, tmp_path):
-    r, dt = serve(env, "--model-path", str(tmp_path / "nope"))
+def test_model_path_messages(cli_env, tiny, tmp_path):
+    r, dt = serve(cli_env, "--model-path", str(tmp_path / "nope"))
     assert r.returncode == 2 and dt < FAST_S
     assert "`hf download Qwen/Qwen3-4B --local-dir models/Qwen3-4B`" in one_line(r.stderr)
-    r, _ = serve(env, "--model-path", str(tmp_path / "nope"), "--device", "cpu")
+    r, _ = serve(cli_env, "--model-path", str(tmp_path / "nope"), "--device", "cpu")
     assert one_line(r.stderr).endswith(f"`python -m openinfer.tools.random_checkpoint --out {tmp_path / 'nope'} "
                                        "--preset tiny`")
-    r, _ = serve(env, "--model-path", tiny + "/config.json", "--device", "cpu")
+    r, _ = serve(cli_env, "--model-path", tiny + "/config.json", "--device", "cpu")
     assert r.returncode == 2
     assert one_line(r.stderr) == f"openinfer-serve: '{tiny}/config.json' is a file, not a model directory; " \
                                  f"its directory is '{tiny}'"
 
 
-def test_cuda_without_its_engine_speaks_flags(env, tiny):
+def test_cuda_without_its_engine_speaks_flags(cli_env, tiny):
     if build_info()["engine"] is not None:
         pytest.skip("src/ holds a compiled engine here: --device cuda would start it")
-    r, dt = serve(env, "--model-path", tiny)
+    r, dt = serve(cli_env, "--model-path", tiny)
     line = one_line(r.stderr)
     assert r.returncode == 1 and dt < FAST_S, (line, dt)
     assert "without its CUDA engine" in line and "--device cpu" in line and 'device="cpu"' not in line
@@ -157,14 +152,14 @@ def test_flags_map_to_engine_config(tiny):
         build_parser().parse_args(["--cuda-graph", "maybe"])
 
 
-def test_server_process_serves_and_stops(env, tiny):
+def test_server_process_serves_and_stops(cli_env, tiny):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     p = subprocess.Popen(["openinfer-serve", "--model-path", tiny, "--device", "cpu", "--port", str(port),
                           "--max-model-len", "256", "--served-model-name", "tiny-x"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(env, OPENINFER_API_KEY="k"))
+                         env=dict(cli_env, OPENINFER_API_KEY="k"))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
