@@ -159,7 +159,9 @@ def test_server_process_serves_and_stops(cli_env, tiny):
     p = subprocess.Popen(["openinfer-serve", "--model-path", tiny, "--device", "cpu", "--port", str(port),
                           "--max-model-len", "256", "--served-model-name", "tiny-x"],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         env=dict(cli_env, OPENINFER_API_KEY="k"))
+                         env=dict(cli_env, OPENINFER_API_KEY="k"),
+                         # as from a terminal: a suite started in the background would pass SIGINT ignored
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 90
