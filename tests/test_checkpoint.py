@@ -131,7 +131,7 @@ def test_cli_refusals_are_one_line(cli_env, tiny_dir, tmp_path):
                        "another"),
             (config / "m", 1, f"cannot write '{config / 'm'}': Not a directory")]:
         r, dt = run(cli_env, *tool, str(out))
-        assert r.returncode == code and one_line(r.stderr) == "random_checkpoint: " + line and dt < 2.0, (r.stderr, dt)
+        assert r.returncode == code and one_line(r.stderr) == "random_checkpoint: " + line and dt < 1.0, (r.stderr, dt)
     r, _ = run(cli_env, *tool, str(tmp_path / "m"), "--seed", "-1")
     assert r.returncode == 2 and "argument --seed: expected an integer >= 0, got '-1'" in r.stderr
     # a directory that holds the same preset is written again: the README's quickstart can run twice

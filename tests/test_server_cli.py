@@ -94,16 +94,18 @@ def test_port_in_use_is_refused_before_the_model_loads(cli_env, tiny):
 
 
 def test_model_path_messages(cli_env, tiny, tmp_path):
-    r, dt = serve(cli_env, "--model-path", str(tmp_path / "nope"))
-    assert r.returncode == 2 and dt < FAST_S
-    assert "`hf download Qwen/Qwen3-4B --local-dir models/Qwen3-4B`" in one_line(r.stderr)
-    r, _ = serve(cli_env, "--model-path", str(tmp_path / "nope"), "--device", "cpu")
-    assert one_line(r.stderr).endswith(f"`python -m openinfer.tools.random_checkpoint --out {tmp_path / 'nope'} "
-                                       "--preset tiny`")
-    r, _ = serve(cli_env, "--model-path", tiny + "/config.json", "--device", "cpu")
-    assert r.returncode == 2
-    assert one_line(r.stderr) == f"openinfer-serve: '{tiny}/config.json' is a file, not a model directory; " \
-                                 f"its directory is '{tiny}'"
+    nope = tmp_path / "nope"
+    for args, line in [
+            ([str(nope)], f"model directory '{nope}' does not exist; download one, e.g. `hf download Qwen/Qwen3-4B "
+                          f"--local-dir models/Qwen3-4B`, or write a random-weight one with `python -m "
+                          f"openinfer.tools.random_checkpoint --out {nope} --preset qwen3-4b`"),
+            ([str(nope), "--device", "cpu"], f"model directory '{nope}' does not exist; write a tiny random-weight "
+                                             "one for the CPU backend with `python -m openinfer.tools.random_checkpoint"
+                                             f" --out {nope} --preset tiny`"),
+            ([tiny + "/config.json"], f"'{tiny}/config.json' is a file, not a model directory; its directory is "
+                                      f"'{tiny}'")]:
+        r, dt = serve(cli_env, "--model-path", *args)
+        assert r.returncode == 2 and one_line(r.stderr) == "openinfer-serve: " + line and dt < FAST_S, (r.stderr, dt)
 
 
 def test_cuda_without_its_engine_speaks_flags(cli_env, tiny):
