@@ -3,6 +3,7 @@
 
 import argparse
 import dataclasses
+import re
 import signal
 import socket
 import subprocess
@@ -13,10 +14,10 @@ import httpx
 import pytest
 
 from cli_util import one_line, run
+from gpu_util import NO_GPU
 from openinfer import __version__
 from openinfer.cli import build_parser, engine_config, main, server_config
 from openinfer.config import EngineConfig, EngineUnavailable, ServerConfig
-from openinfer.version import build_info, version_line
 
 FLAGS = ["--model-path", "--host", "--port", "--served-model-name", "--gpu-memory-utilization",
          "--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--cuda-graph", "--overlap-steps",
@@ -62,10 +63,14 @@ def test_flags_are_the_config_fields():
             assert actions[f.name].help.count("(default:") <= 1, f.name
 
 
+# what the command says of itself: its engine is the one on its path (src/ has none unless one was put there)
+VERSION_LINE = re.compile(rf"openinfer {re.escape(__version__)} \(CUDA engine (not built: --device cpu only|"
+                          r"for sm_\w+(, sm_\w+)*, commit \S+)\)")
+
+
 def test_version_without_gpu_or_engine(cli_env):
     r, dt = serve(cli_env, "--version")
-    assert r.returncode == 0 and r.stdout.strip() == version_line() and dt < FAST_S, (r.stdout, dt)
-    assert r.stdout.startswith(f"openinfer {__version__} (CUDA engine ")
+    assert r.returncode == 0 and VERSION_LINE.fullmatch(r.stdout.strip()) and dt < FAST_S, (r.stdout, dt)
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -108,13 +113,15 @@ def test_model_path_messages(cli_env, tiny, tmp_path):
         assert r.returncode == 2 and one_line(r.stderr) == "openinfer-serve: " + line and dt < FAST_S, (r.stderr, dt)
 
 
-def test_cuda_without_its_engine_speaks_flags(cli_env, tiny):
-    if build_info()["engine"] is not None:
-        pytest.skip("src/ holds a compiled engine here: --device cuda would start it")
+def test_cuda_without_its_engine_or_a_gpu_speaks_flags(cli_env, tiny):
+    """--device cuda where the command finds no engine (src/ has none unless one was put there) or no GPU."""
+    if NO_GPU is None:
+        pytest.skip("a GPU is visible here: --device cuda would start the engine")
     r, dt = serve(cli_env, "--model-path", tiny)
     line = one_line(r.stderr)
     assert r.returncode == 1 and dt < FAST_S, (line, dt)
-    assert "without its CUDA engine" in line and "--device cpu" in line and 'device="cpu"' not in line
+    assert "without its CUDA engine" in line or "no CUDA GPU was found" in line
+    assert "--device cpu" in line and 'device="cpu"' not in line
 
 
 def test_no_gpu_says_so_in_each_language(monkeypatch, capsys, tiny):
@@ -182,7 +189,8 @@ def test_server_process_serves_and_stops(cli_env, tiny):
         r = httpx.post(url + "/v1/completions", headers=h, timeout=60,
                        json={"model": "tiny-x", "prompt": "Hi", "max_tokens": 3})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-        assert httpx.get(url + "/version", timeout=10).json() == build_info()
+        version = httpx.get(url + "/version", timeout=10).json()
+        assert version["version"] == __version__ and "engine" in version
         index = httpx.get(url + "/", timeout=10).json()
         assert index["version"] == __version__ and "POST /v1/chat/completions" in index["routes"]
     finally:
@@ -192,5 +200,5 @@ def test_server_process_serves_and_stops(cli_env, tiny):
         except subprocess.TimeoutExpired:
             p.kill()
             out, _ = p.communicate()
-    assert version_line() in out and "ready" in out and "after start" in out
+    assert VERSION_LINE.search(out) and "ready" in out and "after start" in out
     assert p.returncode == 130 and "Traceback" not in out, out  # Ctrl-C: a clean stop
