@@ -13,6 +13,8 @@ from openinfer.step import StepInput
 from openinfer.tokenizer import Tokenizer
 from openinfer.tools.random_checkpoint import hf_config, write_checkpoint
 
+from cli_util import command_env
+
 
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
@@ -21,6 +23,12 @@ def tiny_dir(tmp_path_factory):
     write_checkpoint(out, hf_config("tiny"), seed=0)
     print(f"\ntiny checkpoint written in {time.perf_counter() - t0:.2f} s")
     return out
+
+
+@pytest.fixture(scope="session")
+def cli_env(tmp_path_factory) -> dict:
+    """The environment the package's commands run in (tests/cli_util.py)."""
+    return command_env(tmp_path_factory.mktemp("bin"))
 
 
 @pytest.fixture(scope="session")

@@ -1,13 +1,17 @@
 import json
+import re
+import shutil
 import time
 
 import numpy as np
 import safetensors
 
+from cli_util import one_line, run
+
 from openinfer.config import ModelConfig
 from openinfer.loader import Checkpoint, expected_tensors
 from openinfer.safetensors_io import SafetensorsFile, bf16_to_f32, f32_to_bf16, save_file
-from openinfer.tools.random_checkpoint import (GENERATION_CONFIG, PRESETS, hf_config, init_rule,
+from openinfer.tools.random_checkpoint import (GENERATION_CONFIG, PRESETS, disk_bytes, hf_config, init_rule,
                                                tensor_chunks, write_checkpoint)
 
 
@@ -104,3 +108,33 @@ def test_tiny_write_time(tmp_path):
     dt = time.perf_counter() - t0
     print(f"tiny checkpoint: {dt:.2f} s")
     assert dt < 20
+
+
+def test_cli_help_gives_every_preset_its_size_on_disk(cli_env, tiny_dir):
+    r, _ = run(cli_env, "python", "-m", "openinfer.tools.random_checkpoint", "--help")
+    assert r.returncode == 0
+    for p in PRESETS:
+        assert re.search(rf"{re.escape(p)} \(\d+(\.\d)? [MG]B\)", " ".join(r.stdout.split())), p
+    assert all(h in r.stdout for h in ("--seed SEED", "seed of the weights", "--workers", "--out OUT"))
+    written = sum(f.stat().st_size for f in tiny_dir.iterdir())
+    assert abs(written - disk_bytes("tiny")) < 0.01 * written
+
+
+def test_cli_refusals_are_one_line(cli_env, tiny_dir, tmp_path):
+    tool = ("python", "-m", "openinfer.tools.random_checkpoint", "--preset", "tiny", "--out")
+    config, other = tiny_dir / "config.json", tmp_path / "other"
+    other.mkdir()
+    (other / "weights.bin").write_bytes(b"x")
+    for out, code, line in [
+            (config, 2, f"--out '{config}' is a file; it names the directory to write"),
+            (other, 2, f"--out '{other}' is a directory that holds other files (a model?); remove it or choose "
+                       "another"),
+            (config / "m", 1, f"cannot write '{config / 'm'}': Not a directory")]:
+        r, dt = run(cli_env, *tool, str(out))
+        assert r.returncode == code and one_line(r.stderr) == "random_checkpoint: " + line and dt < 1.0, (r.stderr, dt)
+    r, _ = run(cli_env, *tool, str(tmp_path / "m"), "--seed", "-1")
+    assert r.returncode == 2 and "argument --seed: expected an integer >= 0, got '-1'" in r.stderr
+    # a directory that holds the same preset is written again: the README's quickstart can run twice
+    shutil.copytree(tiny_dir, tmp_path / "again")
+    r, _ = run(cli_env, *tool, str(tmp_path / "again"))
+    assert r.returncode == 0, r.stderr

@@ -8,6 +8,8 @@ import pytest
 
 from openinfer import Engine, EngineConfig, LLMEngine, SamplingParams
 from openinfer.reference import dense_forward
+from openinfer.sampling_params import sampling_defaults
+from openinfer.server.protocol import parse_completion
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6)
 PROMPTS = ["The capital of France is", "Hello world, here is a longer prompt that spans more than one block of tokens"]
@@ -111,6 +113,22 @@ def test_eos_stops_and_ignore_eos(tiny_dir, tmp_path, engine):
     assert o.text == engine.tokenizer.decode(o.token_ids[:-1])  # the EOS token adds no text
     o = e.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))[0]
     assert o.finish_reason == "length" and o.token_ids == first.token_ids
+
+
+def test_generate_without_params_gets_what_the_server_gives(tiny_dir, tmp_path, engine):
+    """No SamplingParams: what a /v1/completions request that sets nothing gets, from the same function:
+    the model's generation_config.json sampling and 16 tokens."""
+    gen = engine.llm_engine.config.model_files.generation_config
+    served = parse_completion({"prompt": "x"}, sampling_defaults(gen)).gen.sampling
+    assert engine.default_params == served == SamplingParams(max_tokens=16, temperature=0.6, top_p=0.95, top_k=20)
+    d = tmp_path / "greedy"  # a model whose generation config says greedy: generate() is greedy
+    shutil.copytree(tiny_dir, d, ignore=shutil.ignore_patterns("model.safetensors"))
+    (d / "model.safetensors").symlink_to(tiny_dir / "model.safetensors")
+    (d / "generation_config.json").write_text(json.dumps(dict(gen, do_sample=False)))
+    e = Engine(str(d), device="cpu", num_kv_blocks=32)
+    o = e.generate(PROMPTS[0])[0]
+    assert o.token_ids == e.generate(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=16))[0].token_ids
+    assert len(o.token_ids) == 16 or o.finish_reason == "stop"
 
 
 def test_llm_engine_requests(tiny_dir):

@@ -65,8 +65,16 @@ def test_unknown_architecture(tmp_path):
 
 
 def test_missing_dir_and_files(tmp_path):
-    with pytest.raises(FileNotFoundError, match="huggingface-cli download Qwen/Qwen3-4B --local-dir models/Qwen3-4B"):
+    with pytest.raises(FileNotFoundError, match="`hf download Qwen/Qwen3-4B --local-dir models/Qwen3-4B`"):
         Checkpoint(tmp_path / "nope")
+    # the CPU backend gets the tiny preset, which it can run, not a 4B download
+    with pytest.raises(FileNotFoundError, match=r"--preset tiny`$") as e:
+        EngineConfig(str(tmp_path / "nope"), device="cpu")
+    assert "hf download" not in str(e.value)
+    ok = write(tmp_path / "ok")
+    with pytest.raises(FileNotFoundError, match=f"'{ok / 'config.json'}' is a file, not a model directory; "
+                                                f"its directory is '{ok}'"):
+        EngineConfig(str(ok / "config.json"), device="cpu")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="config.json"):
         ModelConfig.from_model_dir(tmp_path / "empty")

@@ -549,7 +549,7 @@ def test_auth_size_routes_and_health_after_bad_input(server, client):
     r = post(server, C + "/", OK_C)
     assert r.status_code == 200 and r.json()["choices"], r.text
     assert httpx.get(server.url + "/health/", timeout=10).status_code == 200
-    # unknown extra fields are ignored, as OpenAI does; "off" values of unsupported ones pass
+    # unknown extra fields are ignored (OpenAI refuses them); "off" values of unsupported ones pass
     r = post(server, C, dict(OK_C, some_future_field={"x": 1}, frequency_penalty=0, user="u"))
     assert r.status_code == 200, r.text
     # a top_k beyond any vocabulary means "off"; it must not fail the engine step (and its batch)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from openinfer.server.protocol import APIError, parse_chat, parse_completion, sampling_defaults
+from openinfer.sampling_params import sampling_defaults
+from openinfer.server.protocol import APIError, parse_chat, parse_completion
 
 QWEN_GEN = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
 

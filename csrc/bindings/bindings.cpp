@@ -149,7 +149,12 @@ PYBIND11_MODULE(_engine, m) {
   }, "number of visible CUDA devices (0 when there is no driver or GPU)");
   m.def("profiler_start", [] { OI_CUDA_CHECK(cudaProfilerStart()); }, "start the profiler's capture (ncu --profile-from-start off)");
   m.def("profiler_stop", [] { OI_CUDA_CHECK(cudaProfilerStop()); });
-  m.def("cuda_archs", [] { return std::string(OI_CUDA_ARCHS); }, "the CUDA architectures this engine was built for");
+  m.def("build_info", [] {
+    py::dict d;
+    d["cuda_archs"] = OI_CUDA_ARCHS;  // ';'-separated, as CMake lists them
+    d["git_commit"] = OI_GIT_COMMIT;
+    return d;
+  }, "what this engine was built from: its CUDA architectures and git commit");
 
   py::class_<Engine>(m, "Engine")
       .def(py::init([](const py::object& model, const py::object& config, const std::string& cublaslt_path) {

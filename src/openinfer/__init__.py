@@ -1,9 +1,21 @@
 """openinfer: a Qwen3 inference server (CUDA engine under a thin Python layer)."""
-from .config import EngineConfig, ModelConfig
-from .engine import Engine, LLMEngine, RequestOutput
-from .sampling_params import InvalidRequest, SamplingParams
-from .scheduler import QueueFull, RequestRejected, RequestUpdate
+import importlib
 
-__version__ = "0.1.0"
-__all__ = ["Engine", "LLMEngine", "EngineConfig", "ModelConfig", "SamplingParams", "InvalidRequest",
-           "RequestOutput", "RequestUpdate", "RequestRejected", "QueueFull"]
+from .version import __version__
+
+# Imported on first use, so that `openinfer-serve --version` and the checks of its options answer
+# without loading NumPy and the engine first.
+_EXPORTS = {"Engine": "engine", "LLMEngine": "engine", "RequestOutput": "engine", "EngineConfig": "config",
+            "ModelConfig": "config", "SamplingParams": "sampling_params", "InvalidRequest": "sampling_params",
+            "RequestUpdate": "scheduler", "RequestRejected": "scheduler", "QueueFull": "scheduler"}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -7,15 +7,17 @@ import argparse
 import dataclasses
 import logging
 import os
+import socket
 import sys
 import time
 import types
 import typing
 
-from .config import ConfigError, EngineConfig, ServerConfig
+from .config import ConfigError, EngineConfig, OptionMessage, ServerConfig
 
 log = logging.getLogger("openinfer")
 PROG = "openinfer-serve"
+SHUTDOWN_GRACE_S = 5
 
 
 def _bool(v: str) -> bool:
@@ -43,6 +45,15 @@ def flag_of(name: str) -> str:
     return name
 
 
+def _setting(flag: str, value: str) -> str:
+    return f"{flag} {value}"
+
+
+def cli_text(e: OptionMessage) -> str:
+    """The message as the command line speaks: `--max-num-seqs`, `--device cpu`."""
+    return e.render(flag_of, _setting)
+
+
 def _add_options(p: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         meta = f.metadata
@@ -51,27 +62,45 @@ def _add_options(p: argparse.ArgumentParser, cls) -> None:
         t = _base_type(f.type)
         default = f.default
         shown = meta["help"] + ("" if default is None else f" (default: {str(default).lower() if t is bool else default})")
+        flag = flag_of(f.name)
         kw = dict(dest=f.name, default=argparse.SUPPRESS, help=shown)
         if t is bool:
             kw.update(type=_bool, nargs="?", const=True, metavar="{true,false}")
         else:
-            kw.update(type=t, choices=meta.get("choices"))
-            if meta.get("choices"):
-                kw["metavar"] = "{" + ",".join(meta["choices"]) + "}"
+            kw.update(type=t, choices=meta.get("choices"),
+                      metavar="{" + ",".join(meta["choices"]) + "}" if meta.get("choices")
+                      else flag[2:].upper().replace("-", "_"))  # the flag's name, where the field's differs
         if f.name == "model_path":
             kw["required"] = True
-        p.add_argument(flag_of(f.name), **kw)
+        p.add_argument(flag, **kw)
         for alias in meta.get("aliases", ()):  # --no-prefix-cache: the one negative spelling kept
             p.add_argument(alias, dest=f.name, action="store_const", const=not default, default=argparse.SUPPRESS,
                            help=f"the same as {flag_of(f.name)} {str(not default).lower()}")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line: the whole usage would bury it
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class _Version(argparse.Action):
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="print the version and the CUDA engine's build, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from .version import version_line
+        print(version_line())
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG,
+    p = _Parser(
+        prog=PROG, usage="%(prog)s --model-path MODEL_PATH [options]",
         description="Serve a Qwen3 model directory over an OpenAI-compatible HTTP API "
                     "(/v1/completions, /v1/chat/completions, /v1/models, /health, /metrics, "
-                    "/tokenize, /detokenize).")
+                    "/tokenize, /detokenize, /version).")
+    p.add_argument("--version", action=_Version)
     _add_options(p, EngineConfig)
     _add_options(p, ServerConfig)
     return p
@@ -97,27 +126,65 @@ def _fail(msg: str, code: int = 2) -> int:
     return code
 
 
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the model loads, so that a bad host or a port in use fails at
+    once. Not listening yet: until the server starts, connections are refused rather than left hanging."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: no wait on TIME_WAIT
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C while loading, or uvicorn's re-raise after its own clean shutdown
+        return 130
+
+
+def _serve(argv: list[str] | None) -> int:
     t0 = time.perf_counter()
     args = build_parser().parse_args(argv)
-    srv = server_config(args)
-    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
+    try:  # every check that needs no weights, before any load
+        srv = server_config(args)
         cfg = engine_config(args)
     except ConfigError as e:
-        return _fail(e.render(flag_of))
+        return _fail(cli_text(e))
     except (ValueError, FileNotFoundError) as e:
         return _fail(str(e))
-
-    import uvicorn
-
+    try:
+        sock = listen_socket(srv.host, srv.port)
+    except OSError as e:
+        return _fail(f"cannot listen on {_address(srv.host, srv.port)}: {e.strerror or e}")
+    port = sock.getsockname()[1]  # --port 0: the one the system chose
+    logging.basicConfig(level=srv.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .engine import LLMEngine
-    from .server import build_app
+    from .version import version_line
 
     try:
+        if cfg.device == "cuda":
+            from .cuda_backend import cuda_engine
+            cuda_engine()  # not built, or no GPU: refused before anything loads, in one line as above
+        log.info("%s", version_line())
         engine = LLMEngine(cfg)
-    except (RuntimeError, ValueError, FileNotFoundError, MemoryError) as e:  # no GPU, no CUDA engine, bad weights
+    except OptionMessage as e:
+        sock.close()
+        return _fail(f"cannot start the engine: {cli_text(e)}", 1)
+    except (RuntimeError, ValueError, FileNotFoundError, MemoryError) as e:  # out of memory, bad weights
+        sock.close()
         return _fail(f"cannot start the engine: {e}", 1)
+    import uvicorn
+
+    from .server import build_app
+
     name = srv.served_model_name or os.path.basename(os.path.normpath(cfg.model_path))
     log.info("engine ready in %.1f s (device=%s, max_model_len=%s)", time.perf_counter() - t0, cfg.device,
              cfg.max_model_len)
@@ -128,12 +195,13 @@ def main(argv: list[str] | None = None) -> int:
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                log.info("serving '%s' on http://%s:%d: ready %.1f s after start", name, srv.host, srv.port,
+                log.info("serving '%s' on http://%s: ready %.1f s after start", name, _address(srv.host, port),
                          time.perf_counter() - t0)
 
-    server = _Server(uvicorn.Config(app, host=srv.host, port=srv.port, log_level=srv.log_level,
-                                    timeout_graceful_shutdown=5))
-    server.run()
+    # On SIGINT/SIGTERM uvicorn stops accepting, gives open requests SHUTDOWN_GRACE_S to finish, then
+    # cancels them; the engine loop stops with the app's lifespan.
+    server = _Server(uvicorn.Config(app, log_level=srv.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+    server.run(sockets=[sock])
     return 0 if server.started else 1
 
 

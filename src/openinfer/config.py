@@ -14,9 +14,10 @@ from .model_files import ModelFiles
 # Every environment variable the package reads, with its meaning. Nothing else calls os.environ.
 ENV_VARS = {
     "OPENINFER_PROGRESS": "1/0 forces the weight-loading progress bar on/off (default: on when stderr is a tty)",
+    "OPENINFER_API_KEY": "the API key openinfer-serve requires when --api-key is not given (keeps it out of `ps`)",
 }
 
-DOWNLOAD_HINT = "huggingface-cli download Qwen/Qwen3-4B --local-dir models/Qwen3-4B"
+DOWNLOAD_HINT = "hf download Qwen/Qwen3-4B --local-dir models/Qwen3-4B"
 SUPPORTED_ARCHITECTURE = "Qwen3ForCausalLM"
 MAX_MODEL_LEN_CAP = 40960
 CPU_KV_BUDGET_BYTES = 512 << 20  # fp32 KV pool of the CPU backend when num_kv_blocks is not given
@@ -31,17 +32,31 @@ def env_flag(name: str) -> bool | None:
     return v.strip().lower() not in ("0", "false", "no", "off")
 
 
-def check_model_dir(path: str | os.PathLike) -> Path:
-    """The model directory, or a FileNotFoundError that says how to get one."""
+def env_str(name: str) -> str | None:
+    """A declared string env var: its value, or None when unset or empty."""
+    assert name in ENV_VARS, name
+    return os.environ.get(name) or None
+
+
+def _model_hint(p: Path, device: str | None) -> str:
+    """How to get a model directory at `p`: on the CPU backend a tiny random one, else a download."""
+    write = "python -m openinfer.tools.random_checkpoint --out " + str(p) + " --preset "
+    if device == "cpu":
+        return f"write a tiny random-weight one for the CPU backend with `{write}tiny`"
+    return f"download one, e.g. `{DOWNLOAD_HINT}`, or write a random-weight one with `{write}qwen3-4b`"
+
+
+def check_model_dir(path: str | os.PathLike, device: str | None = None) -> Path:
+    """The model directory, or a FileNotFoundError that says how to get one (for `device`'s backend)."""
     p = Path(path)
+    if p.is_file():
+        holder = f"; its directory is '{p.parent}'" if (p.parent / "config.json").is_file() else ""
+        raise FileNotFoundError(f"'{p}' is a file, not a model directory{holder}")
     if not p.is_dir():
-        raise FileNotFoundError(
-            f"model directory '{p}' does not exist; download a checkpoint, e.g. `{DOWNLOAD_HINT}`, "
-            f"or write a random one with `python -m openinfer.tools.random_checkpoint --preset qwen3-4b --out {p}`")
+        raise FileNotFoundError(f"model directory '{p}' does not exist; {_model_hint(p, device)}")
     if not (p / "config.json").is_file():
         raise FileNotFoundError(
-            f"'{p}' has no config.json, so it is not a Hugging Face model directory; "
-            f"download one with `{DOWNLOAD_HINT}`")
+            f"'{p}' has no config.json, so it is not a Hugging Face model directory; {_model_hint(p, device)}")
     return p
 
 
@@ -118,21 +133,44 @@ def _eos_ids(gen: dict | None, cfg: dict) -> tuple[int, ...]:
 
 
 DEVICES = ("cuda", "cpu")
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 LOAD_FORMATS = ("safetensors", "random")
 GIB = 1 << 30
 
 
-class ConfigError(ValueError):
-    """A bad option. The message names options as {field} placeholders, so that the Python API can say
-    `max_num_seqs` and `openinfer-serve` can say `--max-num-seqs` (render())."""
+def python_setting(name: str, value: str) -> str:
+    """How the Python API writes an option set to a value: device="cpu", max_model_len=2048."""
+    literal = re.fullmatch(r"-?[\d.]+|True|False|None", value)
+    return f"{name}={value}" if literal else f'{name}="{value}"'
+
+
+class OptionMessage(Exception):
+    """An error whose message names options as {field} or {field=value} placeholders, so that the Python
+    API can say `max_num_seqs` and `device="cpu"` where openinfer-serve says `--max-num-seqs` and
+    `--device cpu` (render())."""
 
     def __init__(self, template: str):
         self.template = template
         super().__init__(self.render(lambda name: name))
 
-    def render(self, name_of) -> str:
+    def render(self, name_of, setting=python_setting) -> str:
+        """The message with {field} as name_of(field) and {field=value} as setting(name_of(field), value)."""
         names = set(_option_names())
-        return re.sub(r"\{(\w+)\}", lambda m: name_of(m.group(1)) if m.group(1) in names else m.group(0), self.template)
+
+        def one(m):
+            name, value = m.group(1), m.group(2)
+            if name not in names:
+                return m.group(0)
+            return name_of(name) if value is None else setting(name_of(name), value)
+        return re.sub(r"\{(\w+)(?:=([^}]*))?\}", one, self.template)
+
+
+class ConfigError(OptionMessage, ValueError):
+    """A bad option."""
+
+
+class EngineUnavailable(OptionMessage, RuntimeError):
+    """The CUDA engine cannot run here: it is not built, or there is no GPU."""
 
 
 def option(default, help: str, **cli):
@@ -212,14 +250,14 @@ class EngineConfig:
         if self.num_kv_blocks is not None and (not _is_int(self.num_kv_blocks) or self.num_kv_blocks < 2):
             raise ConfigError("{num_kv_blocks} must be an integer >= 2 (block 0 is reserved), got "
                               + repr(self.num_kv_blocks))
-        self.model_files = ModelFiles.read(check_model_dir(self.model_path))  # each HF file read once, here
+        self.model_files = ModelFiles.read(check_model_dir(self.model_path, self.device))  # each HF file read once, here
         self.model_config = ModelConfig.from_dict(self.model_files.config, self.model_files.generation_config)
         self.drafter_config = None
         if self.draft_model_path is not None:
             from .drafter import DrafterConfig
             if self.device != "cpu":
                 raise ConfigError("{draft_model_path} (speculative decoding) runs on the CPU backend only so far "
-                                  "({device} cpu); the CUDA drafter is not built yet")
+                                  "({device=cpu}); the CUDA drafter is not built yet")
             if self.kv_offload:
                 raise ConfigError("{draft_model_path} and {kv_offload} together are not supported yet")
             self.draft_model_path = str(self.draft_model_path)
@@ -285,13 +323,25 @@ class EngineConfig:
 class ServerConfig:
     """openinfer-serve's own options (the HTTP side); flags generated like EngineConfig's."""
     host: str = option("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
-    port: int = option(8000, "TCP port to listen on")
+    port: int = option(8000, "TCP port to listen on (0: any free port)")
     served_model_name: str | None = option(
         None, "model name clients must send in 'model' (default: the model directory's name)")
-    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize")
+    api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
+                                 "(default: $OPENINFER_API_KEY; unset: no key)")
     max_body_mib: float = option(8, "largest request body accepted in MiB (413 beyond)")
-    log_level: str = option("info", "log level of the server and the engine",
-                            choices=("debug", "info", "warning", "error", "critical"))
+    log_level: str = option("info", "log level of the server and the engine", choices=LOG_LEVELS)
+
+    def __post_init__(self):
+        if not isinstance(self.host, str) or not self.host:
+            raise ConfigError("{host} must be an address or a host name, got " + repr(self.host))
+        if not _is_int(self.port) or not 0 <= self.port <= 65535:
+            raise ConfigError("{port} must be an integer in [0, 65535], got " + repr(self.port))
+        if self.api_key is None:
+            self.api_key = env_str("OPENINFER_API_KEY")
+        if not isinstance(self.max_body_mib, (int, float)) or not self.max_body_mib > 0:
+            raise ConfigError("{max_body_mib} must be a positive number, got " + repr(self.max_body_mib))
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError("{log_level} must be one of " + ", ".join(LOG_LEVELS) + f", got {self.log_level!r}")
 
 
 def _option_names() -> list[str]:

@@ -8,9 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import EngineConfig, ModelConfig
+from .config import EngineConfig, EngineUnavailable, ModelConfig
 from .safetensors_io import bf16_to_f32
 from .step import StepInput, StepOutput
+from .version import engine_module
 
 log = logging.getLogger("openinfer")
 
@@ -64,14 +65,20 @@ class _Closed:
         raise RuntimeError("this openinfer engine is closed")
 
 
+def cuda_engine():
+    """The compiled engine, where it can run: EngineUnavailable when it is not built or no GPU is found.
+    Imported on demand, so that `import openinfer` needs neither."""
+    eng = engine_module()
+    if eng.device_count() == 0:  # no GPU, or no driver to see one
+        raise EngineUnavailable("no CUDA GPU was found; {device=cpu} runs small models on the NumPy reference backend")
+    return eng
+
+
 class CudaBackend:
     """The step contract (openinfer.step) on `_engine.Engine`."""
 
     def __init__(self, m: ModelConfig, c: EngineConfig):
-        from . import _engine  # compiled module; imported here so that `import openinfer` needs no GPU
-
-        if _engine.device_count() == 0:
-            raise RuntimeError("no CUDA GPU was found")
+        _engine = cuda_engine()
         self.model_config = m
         t0 = time.perf_counter()
         self.eng = _engine.Engine(m, c, _cublaslt_hint())

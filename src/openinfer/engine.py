@@ -15,7 +15,7 @@ from .block_manager import BlockManager
 from .host_tier import HostTier
 from .config import EngineConfig
 from .runner import Runner
-from .sampling_params import SamplingParams
+from .sampling_params import SamplingParams, default_params
 from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, Scheduler
 from .tokenizer import Tokenizer
 
@@ -66,12 +66,8 @@ class LLMEngine:
     def _make_backend(self):
         c, m = self.config, self.model_config
         if c.device == "cuda":
-            try:
-                from .cuda_backend import CudaBackend
-                return CudaBackend(m, c)  # its own errors (no GPU, out of memory) propagate as they are
-            except ImportError as e:  # the compiled _engine (or the module) is missing
-                raise RuntimeError(f"device='cuda' needs openinfer's compiled CUDA engine, which could not be "
-                                   f"imported ({e}); use device='cpu' for the NumPy reference backend") from None
+            from .cuda_backend import CudaBackend
+            return CudaBackend(m, c)  # EngineUnavailable without an engine or a GPU
         from .reference import ReferenceBackend
         if c.load_format == "random":
             from .tools.random_checkpoint import random_weights_fp32
@@ -249,6 +245,7 @@ class Engine:
     def __init__(self, model_path: str, **options):
         self.llm_engine = LLMEngine(EngineConfig(model_path=model_path, **options))
         self.tokenizer = self.llm_engine.tokenizer
+        self.default_params = default_params(self.llm_engine.config.model_files.generation_config)
 
     def close(self) -> None:
         """Releases the model's memory now (GPU weights, KV cache, graphs); `with Engine(...) as e:`
@@ -264,13 +261,15 @@ class Engine:
     def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
         """Prompts: a string, a list of strings, a list of token ids, or a list of such lists.
-        Returns one RequestOutput per prompt, in input order; all prompts batch together."""
+        Returns one RequestOutput per prompt, in input order; all prompts batch together.
+        Without sampling_params a prompt runs with `default_params`: what a /v1/completions request that
+        sets nothing gets (the model's generation_config.json sampling, max_tokens 16)."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
                                         and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            params = [sampling_params or SamplingParams()] * len(prompts)
+            params = [sampling_params or self.default_params] * len(prompts)
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -153,6 +153,32 @@ class SamplingParams:
         return self.temperature <= 0
 
 
+COMPLETION_MAX_TOKENS = 16  # OpenAI's /v1/completions default
+
+
+def sampling_defaults(generation_config: dict) -> dict:
+    """temperature/top_p/top_k a request gets when it leaves them out: the model's own
+    generation_config.json (Qwen3: 0.6 / 0.95 / 20), as the releases intend; values that break
+    the rules above are ignored."""
+    out = {}
+    for k in ("temperature", "top_p", "top_k"):
+        if k in generation_config:
+            try:
+                RULES[k](generation_config[k])
+            except InvalidRequest:
+                continue
+            out[k] = generation_config[k]
+    if generation_config.get("do_sample") is False:
+        out["temperature"] = 0.0
+    return out
+
+
+def default_params(generation_config: dict) -> SamplingParams:
+    """What `Engine.generate` runs a prompt with when given no SamplingParams: what a /v1/completions
+    request that sets nothing gets (the model's sampling defaults, COMPLETION_MAX_TOKENS)."""
+    return SamplingParams(max_tokens=COMPLETION_MAX_TOKENS, **sampling_defaults(generation_config))
+
+
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The parameters of n choices of one request: with a seed, choice j > 0 samples with its own seed
     derived from it (the same seed would repeat choice 0); without one the engine draws each its own."""

@@ -12,9 +12,9 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 
 from ..chat import ChatTemplate
+from ..sampling_params import sampling_defaults
 from .async_engine import AsyncEngine
 from .metrics import Metrics
-from .protocol import sampling_defaults
 from .routes import ServerState, http_error, routes
 
 log = logging.getLogger("openinfer.server")

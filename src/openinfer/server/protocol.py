@@ -4,8 +4,8 @@ Every client mistake becomes an `APIError` (a 4xx in OpenAI's `{"error": {...}}`
 request reaches the engine. Sampling fields go through `SamplingParams`' own rules
 (sampling_params.py), so the server and the Python API refuse the same values. Fields we do not
 implement are refused by name when they are set to a non-default value (clients commonly send
-`frequency_penalty: 0`, which means "off" and is accepted); fields we do not know are ignored, as
-OpenAI does.
+`frequency_penalty: 0`, which means "off" and is accepted); fields we do not know are ignored (OpenAI's
+API refuses them).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..sampling_params import RULES, InvalidRequest, SamplingParams
+from ..sampling_params import COMPLETION_MAX_TOKENS, RULES, InvalidRequest, SamplingParams
 
 MAX_CHOICES = 64  # engine requests per HTTP request: prompts x n
 
@@ -69,23 +69,6 @@ def _opt(body: dict, name: str, check, what: str, default=None):
     if not check(v):
         raise bad(f"'{name}' must be {what}, got {v!r}"[:300], name)
     return v
-
-
-def sampling_defaults(generation_config: dict) -> dict:
-    """temperature/top_p/top_k a request gets when it leaves them out: the model's own
-    generation_config.json (Qwen3: 0.6 / 0.95 / 20), as the releases intend; values that break
-    SamplingParams' rules are ignored."""
-    out = {}
-    for k in ("temperature", "top_p", "top_k"):
-        if k in generation_config:
-            try:
-                RULES[k](generation_config[k])
-            except InvalidRequest:
-                continue
-            out[k] = generation_config[k]
-    if generation_config.get("do_sample") is False:
-        out["temperature"] = 0.0
-    return out
 
 
 @dataclass
@@ -206,8 +189,7 @@ def parse_completion(body: Any, defaults: dict | None = None) -> CompletionReque
         raise bad("'prompt' must not be empty", "prompt")
     if len(prompts) > MAX_CHOICES:
         raise bad(f"at most {MAX_CHOICES} prompts per request", "prompt")
-    gen = _gen_params(body, chat=False, default_max_tokens=16,  # OpenAI's completions default
-                      defaults=defaults)
+    gen = _gen_params(body, chat=False, default_max_tokens=COMPLETION_MAX_TOKENS, defaults=defaults)
     if len(prompts) * gen.n > MAX_CHOICES:
         raise bad(f"{len(prompts)} prompts x n={gen.n} is over {MAX_CHOICES} choices per request", "n")
     return CompletionRequest(model_field(body), prompts, gen)

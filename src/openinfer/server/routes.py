@@ -26,6 +26,7 @@ from ..chat import (ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemp
                     loads_text_json)
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams, choice_params
+from ..version import build_info
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
 from .metrics import CONTENT_TYPE, Metrics, RequestTimer
@@ -50,6 +51,7 @@ class ServerState:
     max_body_bytes: int
     metrics: Metrics
     defaults: dict = field(default_factory=dict)  # sampling defaults from generation_config.json
+    build: dict = field(default_factory=build_info)  # GET /version: the package's and its engine's
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -196,6 +198,17 @@ async def health(st: ServerState, request: Request) -> Response:
     if st.engine.alive:
         return JSONResponse({"status": "ok"})
     return JSONResponse({"status": "engine loop not running"}, status_code=503)
+
+
+async def index(st: ServerState, request: Request) -> Response:
+    """What a browser or a curl at the server's root finds: the version and the routes."""
+    served = sorted((r.path, m) for r in request.app.routes for m in r.methods - {"HEAD"})
+    return JSONResponse({"name": "openinfer", "version": st.build["version"],
+                         "routes": [f"{m} {path}" for path, m in served]})
+
+
+async def version(st: ServerState, request: Request) -> Response:
+    return JSONResponse(st.build)
 
 
 async def metrics(st: ServerState, request: Request) -> Response:
@@ -472,6 +485,8 @@ async def http_error(request: Request, exc: HTTPException) -> Response:
 
 def routes() -> list[Route]:
     return [
+        Route("/", _route(index, authed=False), methods=["GET"]),
+        Route("/version", _route(version, authed=False), methods=["GET"]),
         Route("/health", _route(health, authed=False), methods=["GET"]),
         Route("/metrics", _route(metrics, authed=False), methods=["GET"]),
         Route("/v1/models", _route(list_models), methods=["GET"]),

@@ -39,6 +39,7 @@ from ..safetensors_io import SafetensorsWriter, bf16_to_f32, f32_to_bf16
 
 CHUNK = 1 << 22  # elements per independently seeded chunk
 TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "qwen3-tokenizer"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 _COMMON = dict(vocab_size=151936, head_dim=128, num_key_value_heads=8)
 PRESETS: dict[str, dict] = {
@@ -147,7 +148,7 @@ def write_checkpoint(out: str | Path, config: dict, seed: int = 0, num_shards: i
     cfg = ModelConfig.from_dict(config, GENERATION_CONFIG)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
-    for f in ("tokenizer.json", "tokenizer_config.json"):
+    for f in TOKENIZER_FILES:
         shutil.copyfile(TOKENIZER_DIR / f, out / f)
     shutil.copyfile(TOKENIZER_DIR / "README.md", out / "TOKENIZER_README.md")
 
@@ -175,17 +176,76 @@ def write_checkpoint(out: str | Path, config: dict, seed: int = 0, num_shards: i
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", required=True, choices=sorted(PRESETS))
-    ap.add_argument("--out", required=True, help="output model directory")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--workers", type=int, default=None, help="generator threads (default: all cores)")
+PROG = "random_checkpoint"
+
+
+def disk_bytes(preset: str) -> int:
+    """What a preset's directory takes on disk: its BF16 weights and the tokenizer files."""
+    weights = sum(int(np.prod(shape)) * 2 for _, shape in expected_tensors(ModelConfig.from_dict(hf_config(preset))))
+    return weights + sum((TOKENIZER_DIR / f).stat().st_size for f in TOKENIZER_FILES)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e6:.0f} MB" if n < 1e9 else f"{n / 1e9:.1f} GB"
+
+
+def _count(minimum: int):
+    def parse(v: str) -> int:
+        try:
+            n = int(v)
+        except ValueError:
+            n = None
+        if n is None or n < minimum:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {v!r}")
+        return n
+    return parse
+
+
+def _config_in(d: Path) -> dict | None:
+    try:
+        return json.loads((d / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def out_problem(out: Path, preset: str) -> str | None:
+    """Why `out` cannot take this preset, or None. A directory already holding the same preset is
+    rewritten in place (the same files); one holding anything else is left alone."""
+    if out.is_file():
+        return f"--out '{out}' is a file; it names the directory to write"
+    if out.is_dir() and any(out.iterdir()) and _config_in(out) != hf_config(preset):
+        return f"--out '{out}' is a directory that holds other files (a model?); remove it or choose another"
+    parent = next(p for p in [out, *out.parents] if p.exists())
+    need, free = disk_bytes(preset), shutil.disk_usage(parent).free
+    if need > free:
+        return f"{preset} needs {_size(need)} on disk and '{parent}' has {_size(free)} free"
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    sizes = ", ".join(f"{p} ({_size(disk_bytes(p))})" for p in PRESETS)
+    ap = argparse.ArgumentParser(prog=f"python -m openinfer.tools.{PROG}", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
+                    help=f"the model's shape, with its size on disk: {sizes}")
+    ap.add_argument("--out", required=True, help="the model directory to write (made if missing)")
+    ap.add_argument("--seed", type=_count(0), default=0,
+                    help="seed of the weights: a preset and a seed always write the same bytes (default: 0)")
+    ap.add_argument("--workers", type=_count(1), default=None, help="generator threads (default: all cores)")
     a = ap.parse_args(argv)
-    t0 = time.perf_counter()
-    write_checkpoint(a.out, hf_config(a.preset), a.seed, PRESETS[a.preset]["shards"], a.workers, quiet=False)
-    print(f"{a.preset}: wrote {a.out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    out = Path(a.out)
+    try:
+        problem = out_problem(out, a.preset)
+        if problem:
+            print(f"{PROG}: {problem}", file=sys.stderr)
+            return 2
+        t0 = time.perf_counter()
+        write_checkpoint(out, hf_config(a.preset), a.seed, PRESETS[a.preset]["shards"], a.workers, quiet=False)
+    except OSError as e:  # unwritable, read-only, out of space
+        print(f"{PROG}: cannot write '{e.filename or out}': {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(f"{a.preset}: wrote {out} in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
