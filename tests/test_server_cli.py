@@ -88,7 +88,7 @@ def test_version_without_gpu_or_engine(cli_env):
     (["--kv-offload-host-gib", "4"], "--kv-offload-host-gib needs --kv-offload"),
     (["--kv-offload"], "--kv-offload needs --kv-offload-host-gib"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be a positive integer"),
-    (["--dflash-draft-model-path", "models/draft"], "--dflash-draft-model-path (speculative decoding) is not built yet"),
+    (["--dflash-draft-model-path", "models/draft"], "--dflash-draft-model-path 'models/draft' has no config.json"),
 ])
 def test_refusals_are_one_line_before_the_model_loads(cli_env, tiny, args, needle):
     r, dt = serve(cli_env, "--model-path", tiny, "--device", "cpu", *args)

@@ -152,9 +152,9 @@ def evenly_spaced_taps(num_target_layers: int, n: int) -> list[int]:
 
 
 def drafter_config_dict(target: dict, fmt: str, *, layers: int = 5, taps: int = 5, markov_rank: int = 0,
-                        block_size: int | None = None) -> dict:
+                        block_size: int | None = None, target_layer_ids: list[int] | None = None) -> dict:
     """config.json of a drafter for a target config.json, in the layout of its format's releases."""
-    ids = evenly_spaced_taps(target["num_hidden_layers"], taps)
+    ids = target_layer_ids or evenly_spaced_taps(target["num_hidden_layers"], taps)
     base = {k: target[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                                    "head_dim", "vocab_size", "rms_norm_eps", "rope_theta", "max_position_embeddings")}
     base.update(num_hidden_layers=layers, num_target_layers=target["num_hidden_layers"], model_type="qwen3",

@@ -179,8 +179,30 @@ def write_checkpoint(out: str | Path, config: dict, seed: int = 0, num_shards: i
 PROG = "random_checkpoint"
 
 
+# Drafters for speculative decoding, in the exact layouts of their releases (openinfer.drafter): the
+# z-lab DFlash (block 16), DeepSpec's DSpark (block 7, Markov rank 256) and its DFlash block-7 baseline;
+# tiny-*: small drafters of the tiny target that the CPU backend runs in seconds.
+DRAFTER_PRESETS: dict[str, tuple[str, str, dict]] = {  # name: (target preset, format, shape)
+    **{f"{fmt}-{t}": (t, kind, dict(markov_rank=rank))
+       for t in ("qwen3-4b", "qwen3-8b")
+       for fmt, kind, rank in (("dflash", "dflash", 0), ("dspark", "dspark", 256), ("dflash7", "dspark", 0))},
+    "tiny-dflash": ("tiny", "dflash", dict(layers=2, target_layer_ids=[0, 2])),
+    "tiny-dspark": ("tiny", "dspark", dict(layers=2, markov_rank=32, target_layer_ids=[0, 2])),
+}
+
+
+def drafter_config(preset: str) -> dict:
+    from ..drafter import drafter_config_dict
+    target, fmt, shape = DRAFTER_PRESETS[preset]
+    return drafter_config_dict(hf_config(target), fmt, **shape)
+
+
 def disk_bytes(preset: str) -> int:
-    """What a preset's directory takes on disk: its BF16 weights and the tokenizer files."""
+    """What a preset's directory takes on disk: its BF16 weights and the tokenizer files (a drafter: its
+    weights alone)."""
+    if preset in DRAFTER_PRESETS:
+        from ..drafter import DrafterConfig, drafter_tensors
+        return sum(int(np.prod(shape)) * 2 for _, shape in drafter_tensors(DrafterConfig.from_dict(drafter_config(preset))))
     weights = sum(int(np.prod(shape)) * 2 for _, shape in expected_tensors(ModelConfig.from_dict(hf_config(preset))))
     return weights + sum((TOKENIZER_DIR / f).stat().st_size for f in TOKENIZER_FILES)
 
@@ -213,7 +235,8 @@ def out_problem(out: Path, preset: str) -> str | None:
     rewritten in place (the same files); one holding anything else is left alone."""
     if out.is_file():
         return f"--out '{out}' is a file; it names the directory to write"
-    if out.is_dir() and any(out.iterdir()) and _config_in(out) != hf_config(preset):
+    want = drafter_config(preset) if preset in DRAFTER_PRESETS else hf_config(preset)
+    if out.is_dir() and any(out.iterdir()) and _config_in(out) != want:
         return f"--out '{out}' is a directory that holds other files (a model?); remove it or choose another"
     parent = next(p for p in [out, *out.parents] if p.exists())
     need, free = disk_bytes(preset), shutil.disk_usage(parent).free
@@ -224,9 +247,11 @@ def out_problem(out: Path, preset: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     sizes = ", ".join(f"{p} ({_size(disk_bytes(p))})" for p in PRESETS)
+    drafters = ", ".join(f"{p} ({_size(disk_bytes(p))}, for {DRAFTER_PRESETS[p][0]})" for p in DRAFTER_PRESETS)
     ap = argparse.ArgumentParser(prog=f"python -m openinfer.tools.{PROG}", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", required=True, choices=list(PRESETS), metavar="PRESET",
-                    help=f"the model's shape, with its size on disk: {sizes}")
+    ap.add_argument("--preset", required=True, choices=[*PRESETS, *DRAFTER_PRESETS], metavar="PRESET",
+                    help=f"the model's shape, with its size on disk: {sizes}; or a drafter for speculative "
+                         f"decoding (--dflash-draft-model-path): {drafters}")
     ap.add_argument("--out", required=True, help="the model directory to write (made if missing)")
     ap.add_argument("--seed", type=_count(0), default=0,
                     help="seed of the weights: a preset and a seed always write the same bytes (default: 0)")
@@ -239,7 +264,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{PROG}: {problem}", file=sys.stderr)
             return 2
         t0 = time.perf_counter()
-        write_checkpoint(out, hf_config(a.preset), a.seed, PRESETS[a.preset]["shards"], a.workers, quiet=False)
+        if a.preset in DRAFTER_PRESETS:
+            from ..drafter import write_random_drafter
+            write_random_drafter(out, drafter_config(a.preset), a.seed)
+        else:
+            write_checkpoint(out, hf_config(a.preset), a.seed, PRESETS[a.preset]["shards"], a.workers, quiet=False)
     except OSError as e:  # unwritable, read-only, out of space
         print(f"{PROG}: cannot write '{e.filename or out}': {e.strerror or e}", file=sys.stderr)
         return 1
