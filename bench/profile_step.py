@@ -35,8 +35,9 @@ def main() -> None:
                            cuda_graph=a.graph)
     r = Runner(eng.llm_engine.backend, 151936)
     seqs = [r.alloc(a.ctx + 8 + a.chunk * (a.steps + 3)) for _ in range(a.batch)]
-    for s in seqs:
-        r.step([(s, 0, a.ctx - 1)])
+    for s in seqs:  # the prompt in chunks of at most one step's token budget
+        for p0 in range(0, a.ctx - 1, 8192):
+            r.step([(s, p0, min(8192, a.ctx - 1 - p0))])
     n = a.chunk
     for i in range(3):
         r.step([(s, a.ctx - 1 + i * n, n) for s in seqs])
