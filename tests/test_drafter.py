@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from engine_util import run_requests as _run
 
 from openinfer import EngineConfig, LLMEngine, SamplingParams
 from openinfer.config import ConfigError, ModelConfig
@@ -166,17 +167,6 @@ def test_paged_drafter_equals_a_dense_one(tiny_dir, drafter_dir):
     want = _dense_drafts(eng.model_config, load_weights_fp32(tiny_dir, eng.model_config, progress=False), dc,
                          be.drafter.w, prompt, first)
     assert out.drafts.shape == (1, dc.num_drafts) and out.drafts[0].tolist() == want
-
-
-def _run(eng, reqs):
-    out = {r: [] for r in reqs}
-    for r, (p, sp) in reqs.items():
-        eng.add_request(r, p, sp)
-    while eng.has_unfinished():
-        for u in eng.step():
-            out[u.request_id] += u.new_token_ids
-        eng.scheduler.check_integrity()
-    return out
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])

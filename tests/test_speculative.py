@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+from engine_util import run_requests as run
 
 from openinfer import EngineConfig, LLMEngine, SamplingParams
 from openinfer.loader import load_weights_fp32
@@ -23,18 +24,6 @@ def small_dir(tmp_path_factory):
     write_checkpoint(d, dict(hf_config("tiny"), vocab_size=V, hidden_size=64, intermediate_size=128,
                              num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32), seed=3)
     return d
-
-
-def run(eng, reqs, check=True):
-    out = {r: [] for r in reqs}
-    for r, (p, sp) in reqs.items():
-        eng.add_request(r, p, sp)
-    while eng.has_unfinished():
-        for u in eng.step():
-            out[u.request_id] += u.new_token_ids
-        if check:
-            eng.scheduler.check_integrity()
-    return out
 
 
 def prompts_of(seed, n, lo=5, hi=60):
