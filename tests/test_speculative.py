@@ -172,6 +172,7 @@ class _GreedyDrafter:
     matches it now and then, so verify rounds both accept and reject."""
 
     in_backend = False
+    lookahead = 0
 
     def __init__(self, model_config, weights, k):
         self.m, self.w, self.num_tokens = model_config, weights, k

@@ -43,6 +43,20 @@ ModelDims dims_from(const py::object& c) {
   return d;
 }
 
+// openinfer.drafter.DrafterConfig -> the engine's drafter geometry (its head layout is the target's: the
+// Python side refuses others for the CUDA engine).
+DrafterDims drafter_from(const py::object& c) {
+  DrafterDims dd;
+  dd.layers = c.attr("num_hidden_layers").cast<int>();
+  dd.block_size = c.attr("block_size").cast<int>();
+  dd.first_slot = c.attr("first_slot").cast<int>();
+  dd.num_drafts = c.attr("num_drafts").cast<int>();
+  dd.mask_token = c.attr("mask_token_id").cast<int>();
+  dd.markov_rank = c.attr("markov_rank").cast<int>();
+  dd.taps = c.attr("target_layer_ids").cast<std::vector<int>>();
+  return dd;
+}
+
 EngineOptions options_from(const py::object& c, const std::string& cublaslt_path) {
   EngineOptions o;
 #define OI_READ_OPTION(type, name) o.name = c.attr(#name).cast<type>();
@@ -124,6 +138,7 @@ py::dict result_dict(const StepResult& r) {
   OI_STEP_OUTPUTS(OI_WRITE_OUTPUT)
 #undef OI_WRITE_OUTPUT
   d["gpu_ms"] = r.gpu_ms;
+  d["draft_ms"] = r.draft_ms;
   return d;
 }
 
@@ -157,14 +172,20 @@ PYBIND11_MODULE(_engine, m) {
   }, "what this engine was built from: its CUDA architectures and git commit");
 
   py::class_<Engine>(m, "Engine")
-      .def(py::init([](const py::object& model, const py::object& config, const std::string& cublaslt_path) {
+      .def(py::init([](const py::object& model, const py::object& config, const std::string& cublaslt_path,
+                       int max_sampled_rows) {
              const ModelDims d = dims_from(model);
-             const EngineOptions o = options_from(config, cublaslt_path);
+             EngineOptions o = options_from(config, cublaslt_path);
+             o.max_sampled_rows = max_sampled_rows;
              py::gil_scoped_release nogil;
              return std::make_unique<Engine>(d, o);
            }),
-           py::arg("model"), py::arg("config"), py::arg("cublaslt_path") = "",
-           "model: an openinfer.ModelConfig; config: an openinfer.EngineConfig (attributes read by name)")
+           py::arg("model"), py::arg("config"), py::arg("cublaslt_path") = "", py::arg("max_sampled_rows") = 0,
+           "model: an openinfer.ModelConfig; config: an openinfer.EngineConfig (attributes read by name); "
+           "max_sampled_rows: sampled rows one step may hold (0: max_num_seqs; a verify step samples k + 1 per sequence)")
+      .def("set_drafter", [](Engine& e, const py::object& cfg) { e.set_drafter(drafter_from(cfg)); }, py::arg("config"),
+           "before finalize(): an openinfer.drafter.DrafterConfig; its tensors then load as draft.<kind>")
+      .def_property_readonly("has_drafter", &Engine::has_drafter)
       .def("load_tensor",
            [](Engine& e, const std::string& kind, int layer, const Arr<uint16_t>& a, int64_t row_offset) {
              const int64_t rows = a.ndim() == 2 ? a.shape(0) : 1, cols = a.ndim() == 2 ? a.shape(1) : a.size();

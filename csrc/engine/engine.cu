@@ -33,8 +33,10 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   gemm_ = std::make_unique<Gemm>(opt_.cublaslt_path);
   kv_ = KvLayout{d_.layers, d_.kv_heads, opt_.kv_block_size, d_.head_dim};
   allocate_weights();
-  rope_ = static_cast<float2*>(alloc((size_t)opt_.max_model_len * (d_.head_dim / 2) * sizeof(float2), &act_bytes_));
-  rope_table_init(rope_, opt_.max_model_len, d_.head_dim, d_.rope_theta, stream_);
+  // positions past max_model_len - 1: a draft block's (kMaxDraftBlock at most)
+  const int rope_rows = opt_.max_model_len + kMaxDraftBlock;
+  rope_ = static_cast<float2*>(alloc((size_t)rope_rows * (d_.head_dim / 2) * sizeof(float2), &act_bytes_));
+  rope_table_init(rope_, rope_rows, d_.head_dim, d_.rope_theta, stream_);
 }
 
 Engine::~Engine() {
@@ -59,6 +61,7 @@ Engine::~Engine() {
   for (void* p : allocations_) cudaFree(p);
   if (kv_cache_) cudaFree(kv_cache_);
   if (taps_) cudaFree(taps_);
+  if (dr_ && dr_->kv_cache) cudaFree(dr_->kv_cache);
   if (trace_) cudaFree(trace_);
   if (host_kv_) cudaFreeHost(host_kv_);
   for (int i = 0; i < 2; ++i) {
@@ -71,8 +74,8 @@ Engine::~Engine() {
 }
 
 StepLimits Engine::limits() const {
-  return StepLimits{opt_.max_num_batched_tokens, opt_.max_num_seqs, opt_.max_model_len, opt_.kv_block_size,
-                    num_sms_, max_split_rows_, num_blocks_, num_host_blocks_};
+  return StepLimits{opt_.max_num_batched_tokens, opt_.max_num_seqs, max_rows(), opt_.max_model_len, opt_.kv_block_size,
+                    num_sms_, max_split_rows_, dr_ ? dr_->dims.block_size : 0, num_blocks_, num_host_blocks_};
 }
 
 StepResult Engine::step(const StepInput& in) {
@@ -131,7 +134,14 @@ bf16* Engine::tap_buffer(size_t elems) {
 // A step outside the decode buckets (prefill chunks, mixed batches, logprobs, verify, taps), queued
 // eagerly. Its inputs go through one of two pinned staging slots, so the next step can be staged while it
 // runs; finish_eager() waits for it.
-Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache) {
+void* Engine::Stager::put(const void* src, size_t bytes) {
+  void* d = dev + off;
+  if (bytes) std::memcpy(host + off, src, bytes);
+  off = align_up(off + bytes);
+  return d;
+}
+
+Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache, bool drafter) {
   const int T = in.T(), B = in.B(), S = in.S();
   const int slot = meta_slot_;
   for (const Pending& p : pending_)
@@ -140,13 +150,8 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   char* dev = dev_meta_[slot];
 
   // Pack every input into the pinned staging area and send it with one copy.
-  size_t off = 0;
-  auto put = [&](const void* src, size_t bytes) {
-    void* d = dev + off;
-    if (bytes) std::memcpy(host + off, src, bytes);
-    off = align_up(off + bytes);
-    return d;
-  };
+  Stager st{host, dev};
+  auto put = [&](const void* src, size_t bytes) { return st.put(src, bytes); };
   StepMeta m{};
   m.T = T; m.B = B; m.S = S; m.bt_stride = in.bt_stride;
   m.num_work = (int)plan.work.size(); m.max_rows = plan.max_rows; m.num_splits = plan.num_splits;
@@ -175,6 +180,16 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
     m.tap_rows = (const int32_t*)put(in.tap_rows, R * 4);
     m.out_taps = tap_buffer(std::max<size_t>((size_t)R * L * d_.hidden, 1));
   }
+  drafter = drafter && dr_;
+  DraftStage ds;
+  if (drafter) {
+    m.ctx_slot = dr_->ctx_slot.data();
+    m.num_ctx_taps = (int)dr_->dims.taps.size();
+    m.ctx_rows = dr_->iota;
+    m.ctx_feats = dr_->feats;
+    ds = stage_draft(in, plan, st);
+  }
+  size_t off = st.off;
   OI_CHECK(off <= meta_in_bytes_, "step metadata overflows its staging area");
   const size_t in_bytes = off;
   off = meta_in_bytes_;  // outputs follow the inputs
@@ -184,6 +199,8 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   m.out_top_ids = (int32_t*)(dev + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
   m.out_top_logprobs = (float*)(dev + off); off = align_up(off + (size_t)S * in.num_logprobs * 4);
   if (in.verify) { m.out_accepted = (int32_t*)(dev + off); off = align_up(off + B * 4); }
+  const size_t drafts_off = off;
+  if (ds.num_seqs) off = align_up(off + (size_t)ds.num_seqs * dr_->dims.num_drafts * 4);
   OI_CHECK(off <= meta_bytes_, "step outputs overflow their staging area");
 
   cudaEvent_t* ev = meta_ev_[slot];
@@ -192,18 +209,24 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   if (prev)  // fed rows are rows 0..B-1 at their own token index (checked in launch())
     feed_tokens(const_cast<int32_t*>(m.ids), prev, last_tokens_, B, stream_);
   qwen3_forward(d_, w_, act_, m, rope_, kv_cache, kv_, *gemm_, num_sms_, stream_);
-  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
-  OI_CUDA_CHECK(cudaMemcpyAsync(host + out_start, dev + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
   Pending p;
   p.slot = slot;
   p.B = B;
   p.S = S;
   p.num_logprobs = in.num_logprobs;
   p.verify = in.verify;
-  if (in.return_logits && S > 0) {
+  p.drafter = drafter;
+  if (in.return_logits && S > 0) {  // before the drafter, which reuses the logits buffer
     p.logits.resize((size_t)S * d_.vocab);
     OI_CUDA_CHECK(cudaMemcpyAsync(p.logits.data(), act_.logits, p.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
   }
+  OI_CUDA_CHECK(cudaEventRecord(ev[3], stream_));
+  if (drafter) {
+    run_drafter(m, ds, (int32_t*)(dev + drafts_off));
+    p.draft_seqs = plan.draft_seqs;
+  }
+  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(host + out_start, dev + out_start, off - out_start, cudaMemcpyDeviceToHost, stream_));
   if (L > 0 && R > 0) {  // pageable: this launch waits for the copy
     p.taps = L;
     p.tap_rows = R;
@@ -234,6 +257,10 @@ StepResult Engine::finish_eager(Pending& p) {
   take(r.top_ids, (size_t)S * p.num_logprobs, o);
   take(r.top_logprobs, (size_t)S * p.num_logprobs, o);
   if (p.verify) take(r.accepted, p.B, o);
+  if (p.drafter) {
+    OI_CUDA_CHECK(cudaEventElapsedTime(&r.draft_ms, ev[3], ev[1]));
+    if (!p.draft_seqs.empty()) take_drafts(p, reinterpret_cast<const int32_t*>(h + o), r);
+  }
   r.S = S;
   r.num_logprobs = p.num_logprobs;
   r.accepted_rows = p.verify ? p.B : 0;

@@ -6,17 +6,21 @@
 //   kv_pool.cu  activations, the profiling step, KV pool and host tier sizing
 //   plan.cu     a step's validation and attention work (shared with the kernel test ops)
 //   graphs.cu   the decode buckets: capture, the metadata arena, replay
+//   draft.cu    the drafter of speculative decoding: its weights, KV pool, and its part of a step
 #pragma once
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "../model/drafter.h"
 #include "../model/qwen3.h"
 #include "options.h"
 #include "plan.h"
 #include "step.h"
+#include "../kernels/draft.cuh"
 
 namespace oi {
 
@@ -33,6 +37,11 @@ class Engine {
   void load_tensor(const std::string& kind, int layer, const uint16_t* data, int64_t rows, int64_t cols,
                    int64_t row_offset);
   void init_random(uint64_t seed);
+  // Speculative decoding (before finalize()): a DFlash / DSpark drafter whose tensors then load through
+  // load_tensor() under the kinds "draft.<kind>" (the layer kinds, fc, hidden_norm, norm, markov_w1/w2).
+  // With a drafter every step is eager (each writes the drafter's context for its tokens).
+  void set_drafter(const DrafterDims& dd);
+  bool has_drafter() const { return dr_ != nullptr; }
   // After the weights: allocate activations, run one profiling step, size and zero the KV pool, pin the
   // host tier, capture the decode graphs.
   int64_t finalize();
@@ -85,8 +94,24 @@ class Engine {
     int slot = 0;  // graph arena image, or eager staging slot
     int B = 0, S = 0, num_logprobs = 0, taps = 0, tap_rows = 0;
     bool verify = false;
+    bool drafter = false;  // the drafter ran after the target (draft_ms; drafts when draft_seqs)
     std::vector<float> logits;  // when the step asked for logits (pageable: that launch waits for its copy)
     std::vector<uint16_t> hidden;
+    std::vector<int32_t> draft_seqs;  // drafting sequences, in chunks of dr_->chunk
+  };
+  // Staging of an eager step's inputs: host image and device twin, filled front to back.
+  struct Stager {
+    char *host, *dev;
+    size_t off = 0;
+    void* put(const void* src, size_t bytes);
+  };
+  // The drafting part of an eager step, staged (device pointers into the step's metadata).
+  struct DraftStage {
+    int num_seqs = 0;
+    const int32_t *seqs = nullptr, *rows = nullptr;
+    const AttnWork* work = nullptr;
+    std::vector<int> work_start;  // [chunks + 1] first work item of each chunk
+    std::vector<int> max_ctx;     // [chunks] upper bound of a chunk's block context
   };
 
   // weights.cu
@@ -95,16 +120,24 @@ class Engine {
   void upload(void* dst, const void* src, size_t bytes);
   void release_upload_stages();
   bf16* tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
+  bf16* layer_slot(LayerWeights& L, const std::string& kind, int64_t* rows, int64_t* cols) const;
   // kv_pool.cu
   void allocate_activations();
   void profile_step();
   void allocate_kv();
   // engine.cu
   StepLimits limits() const;
-  Pending enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache);  // an eager step
+  int max_rows() const { return std::max(opt_.max_num_seqs, opt_.max_sampled_rows); }  // sampled rows of a step
+  Pending enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache, bool drafter = true);  // an eager step
   StepResult finish_eager(Pending& p);
   void issue_copies(const StepInput& in);
   bf16* tap_buffer(size_t elems);
+  // draft.cu
+  bf16* drafter_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
+  void allocate_drafter();
+  DraftStage stage_draft(const StepInput& in, const StepPlan& plan, Stager& st);
+  void run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_drafts);
+  void take_drafts(const Pending& p, const int32_t* host_drafts, StepResult& r) const;
   // graphs.cu
   struct Graph {
     int batch = 0;
@@ -138,7 +171,7 @@ class Engine {
   // runs) and their device twins, for all per-step metadata and outputs.
   char* host_meta_[2] = {nullptr, nullptr};
   char* dev_meta_[2] = {nullptr, nullptr};
-  cudaEvent_t meta_ev_[2][3] = {};  // per slot: start, end of the forward, outputs on the host
+  cudaEvent_t meta_ev_[2][4] = {};  // per slot: start, end of the forward, outputs on the host, end of the target's part
   int meta_slot_ = 0;
   size_t meta_bytes_ = 0, meta_in_bytes_ = 0;  // both multiples of 256
   bool finalized_ = false;
@@ -179,6 +212,23 @@ class Engine {
   CopyStats copy_stats_;
   cudaEvent_t event();
   void retire(std::deque<CopyBatch>& q, bool restore, bool block);
+  // The drafter (speculative decoding), or null.
+  struct DrafterState {
+    DrafterDims dims;
+    ModelDims md;  // the target's dims with the drafter's layer count
+    DrafterWeights w;
+    KvLayout kv{};
+    bf16* kv_cache = nullptr;   // its own pool, under the target's block ids
+    bf16* feats = nullptr;      // [max tokens, taps * H] the step's context features
+    int32_t* iota = nullptr;    // 0 .. max tokens - 1 (every row is a context row)
+    std::vector<int> ctx_slot;  // [target layers] index among the taps, or -1
+    int chunk = 0;              // drafting sequences per block pass (the activations hold chunk * block rows)
+    DraftInputs scratch{};      // device outputs of draft_inputs, sized for one chunk
+    bf16* markov_u = nullptr;
+    float* logprobs = nullptr;
+    int64_t block_bytes() const { return kv.block_stride() * (int64_t)sizeof(bf16); }
+  };
+  std::unique_ptr<DrafterState> dr_;
 };
 
 }  // namespace oi

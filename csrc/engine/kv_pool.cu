@@ -14,12 +14,18 @@ int64_t Engine::finalize() {
   profile_step();
   allocate_kv();
   finalized_ = true;
-  capture_graphs();  // decode buckets always; the graphs themselves only when cuda_graph is on
+  // decode buckets always (the graphs themselves only when cuda_graph is on); none with a drafter, whose
+  // context every step writes
+  if (!dr_) capture_graphs();
   return num_blocks_;
 }
 
 void Engine::allocate_activations() {
-  const int64_t T = opt_.max_num_batched_tokens, S = opt_.max_num_seqs, H = d_.hidden, I = d_.intermediate;
+  // T tokens, Q sequences, S sampled rows (several per sequence in a verify step; a draft chunk's rows)
+  const int64_t T = opt_.max_num_batched_tokens, Q = opt_.max_num_seqs, H = d_.hidden, I = d_.intermediate;
+  if (dr_) dr_->chunk = (int)std::min<int64_t>({Q, 16, T / dr_->dims.block_size});
+  const int64_t S = std::max<int64_t>(max_rows(), dr_ ? (int64_t)dr_->chunk * dr_->dims.num_drafts : 0);
+  opt_.max_sampled_rows = (int)S;
   auto ab = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &act_bytes_)); };
   act_.x = ab(T * H);
   act_.h = ab(T * H);
@@ -32,7 +38,7 @@ void Engine::allocate_activations() {
   act_.logits = static_cast<float*>(alloc(S * d_.vocab * sizeof(float), &act_bytes_));
   act_.ws_o = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * d_.head_dim * sizeof(float), &act_bytes_));
   act_.ws_lse = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * sizeof(float), &act_bytes_));
-  const size_t counter_bytes = (size_t)(T + S + 1) * d_.kv_heads * sizeof(int);  // work items <= T + S + 1
+  const size_t counter_bytes = (size_t)(T + Q + 1) * d_.kv_heads * sizeof(int);  // work items <= T + Q + 1
   act_.attn_counters = static_cast<int*>(alloc(counter_bytes, &act_bytes_));
   OI_CUDA_CHECK(cudaMemset(act_.attn_counters, 0, counter_bytes));
   if (opt_.persistent_decode && persistent_fits(d_.hidden, d_.intermediate, d_.heads, d_.kv_heads, d_.head_dim)) {
@@ -45,17 +51,24 @@ void Engine::allocate_activations() {
     OI_CUDA_CHECK(cudaMemset(act_.layer_ws, 0, ws_bytes));
   }
   // Staging: every input array (token rows, tap rows, sequence rows, block tables, sampled rows, work items,
-  // the verify rows and prev_rows), then the outputs (tokens, log-probs, top-N, accepted counts).
-  const int64_t max_blocks_per_seq = (opt_.max_model_len + opt_.kv_block_size - 1) / opt_.kv_block_size;
-  meta_in_bytes_ = align_up(4 * T * 4) + align_up((2 * S + 1) * 4) + align_up(S * max_blocks_per_seq * 4) +
-                   align_up(6 * S * 4) + align_up(S * 8) + align_up((T + S) * sizeof(AttnWork)) +
-                   2 * align_up((S + 1) * 4) + 16 * kStageAlign;
-  meta_bytes_ = meta_in_bytes_ + align_up(3 * S * 4) + align_up(2 * S * kMaxLogprobs * 4) + 4 * kStageAlign;
+  // the verify rows and prev_rows, the drafting sequences and their work items), then the outputs (tokens,
+  // log-probs, top-N, accepted counts, drafts).
+  const int64_t max_blocks_per_seq = (opt_.max_model_len + kMaxDraftBlock + opt_.kv_block_size - 1) / opt_.kv_block_size;
+  const int64_t draft_items = dr_ ? Q * ((dr_->dims.block_size + attn_tokens_per_item(d_.heads / d_.kv_heads) - 1) /
+                                         attn_tokens_per_item(d_.heads / d_.kv_heads)) : 0;
+  meta_in_bytes_ = align_up(4 * T * 4) + align_up((2 * Q + 1) * 4) + align_up(Q * max_blocks_per_seq * 4) +
+                   align_up(6 * S * 4) + align_up(S * 8) + align_up((T + Q) * sizeof(AttnWork)) +
+                   2 * align_up((Q + 1) * 4) + 2 * align_up(Q * 4) + align_up(draft_items * sizeof(AttnWork)) +
+                   20 * kStageAlign;
+  const int64_t drafts = dr_ ? Q * dr_->dims.num_drafts : 0;
+  meta_bytes_ = meta_in_bytes_ + align_up(2 * S * 4) + align_up(Q * 4) + align_up(2 * S * kMaxLogprobs * 4) +
+                align_up(drafts * 4) + 6 * kStageAlign;
   for (int i = 0; i < 2; ++i) {
     OI_CUDA_CHECK(cudaMallocHost(&host_meta_[i], meta_bytes_));
     dev_meta_[i] = static_cast<char*>(alloc(meta_bytes_, &act_bytes_));
     for (cudaEvent_t& e : meta_ev_[i]) OI_CUDA_CHECK(cudaEventCreate(&e));
   }
+  if (dr_) allocate_drafter();
 }
 
 // One prompt through every kernel and GEMM shape class on a throwaway pool, so that lazily loaded
@@ -84,7 +97,7 @@ void Engine::profile_step() {
   in.num_logprobs = 1;
   StepLimits lim = limits();
   lim.num_blocks = nb + 1;
-  Pending p = enqueue(in, plan_step(in, d_, lim, eager_kernels_.attention), tmp);
+  Pending p = enqueue(in, plan_step(in, d_, lim, eager_kernels_.attention), tmp, false);  // no drafter pool yet
   finish_eager(p);
   OI_CUDA_CHECK(cudaFree(tmp));
 }
@@ -94,14 +107,20 @@ void Engine::allocate_kv() {
   OI_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
   const double reserve = (1.0 - opt_.gpu_memory_utilization) * (double)total_b;
   const int64_t budget = (int64_t)((double)free_b - reserve);
-  const int64_t fit = budget > 0 ? budget / kv_block_bytes() : 0;
+  // a block id holds the target's K/V and, with a drafter, the drafter's (its own pool, same ids)
+  const int64_t per_block = kv_block_bytes() + (dr_ ? dr_->block_bytes() : 0);
+  const int64_t fit = budget > 0 ? budget / per_block : 0;
   num_blocks_ = opt_.gpu_num_kv_blocks > 0 ? opt_.gpu_num_kv_blocks : fit;
-  OI_CHECK(num_blocks_ <= (int64_t)(free_b / kv_block_bytes()),
-           "num_kv_blocks " << num_blocks_ << " does not fit in free GPU memory (" << free_b / kv_block_bytes() << " blocks)");
+  OI_CHECK(num_blocks_ <= (int64_t)(free_b / per_block),
+           "num_kv_blocks " << num_blocks_ << " does not fit in free GPU memory (" << free_b / per_block << " blocks)");
   OI_CHECK(num_blocks_ >= 2, "not enough GPU memory for the KV cache: " << (free_b >> 20) << " MiB free after weights ("
                                  << (weight_bytes_ >> 20) << " MiB) and activations; raise gpu_memory_utilization");
   OI_CUDA_CHECK(cudaMalloc(&kv_cache_, (size_t)num_blocks_ * kv_block_bytes()));
   OI_CUDA_CHECK(cudaMemset(kv_cache_, 0, (size_t)num_blocks_ * kv_block_bytes()));  // unwritten slots stay finite
+  if (dr_) {
+    OI_CUDA_CHECK(cudaMalloc(&dr_->kv_cache, (size_t)num_blocks_ * dr_->block_bytes()));
+    OI_CUDA_CHECK(cudaMemset(dr_->kv_cache, 0, (size_t)num_blocks_ * dr_->block_bytes()));
+  }
 
   num_host_blocks_ = opt_.host_kv_bytes / kv_block_bytes();
   if (opt_.host_kv_bytes > 0) {

@@ -26,6 +26,7 @@ struct EngineOptions {
   OI_ENGINE_OPTIONS(OI_DECLARE_OPTION)
 #undef OI_DECLARE_OPTION
   std::string cublaslt_path;  // where libcublasLt.so.13 was found (empty: the loader's search path)
+  int max_sampled_rows = 0;   // sampled rows one step may hold (speculative verify samples k + 1 per sequence); 0: max_num_seqs
 };
 
 }  // namespace oi

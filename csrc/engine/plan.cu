@@ -38,10 +38,11 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
   const int T = in.T(), B = in.B(), S = in.S();
   OI_INPUT_CHECK(T >= 1 && T <= lim.max_num_tokens, T << " tokens (1.." << lim.max_num_tokens << ")");
   OI_INPUT_CHECK(B >= 1 && B <= lim.max_num_seqs, B << " sequences (1.." << lim.max_num_seqs << ")");
-  // sampled rows share the buffers of max_num_seqs rows (a verify step has several per sequence)
-  OI_INPUT_CHECK(S >= 0 && S <= lim.max_num_seqs, S << " sampled rows (0.." << lim.max_num_seqs << ")");
+  // a verify step samples several rows per sequence
+  OI_INPUT_CHECK(S >= 0 && S <= lim.max_sampled_rows, S << " sampled rows (0.." << lim.max_sampled_rows << ")");
   OI_INPUT_CHECK(in.num_logprobs >= 0 && in.num_logprobs <= kMaxLogprobs, "num_logprobs " << in.num_logprobs);
-  OI_INPUT_CHECK(in.bt_stride >= 1 && in.bt_stride <= (lim.max_model_len + lim.block_size - 1) / lim.block_size,
+  // a draft writes its block past the step's tokens (up to draft_block positions past max_model_len - 1)
+  OI_INPUT_CHECK(in.bt_stride >= 1 && in.bt_stride <= (lim.max_model_len + lim.draft_block + lim.block_size - 1) / lim.block_size,
                  "block table width " << in.bt_stride);
   const int32_t* qsl = in.query_start_loc;
   OI_INPUT_CHECK(qsl[0] == 0 && qsl[B] == T, "query_start_loc must run from 0 to T");
@@ -100,8 +101,27 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
     }
   }
   OI_INPUT_CHECK(in.n_tap_rows == 0 || in.n_tap_layers > 0, "tap_rows without tap_layers");
-  // The CUDA engine has no drafter yet (speculative decoding runs on the CPU backend).
-  for (int64_t b = 0; b < in.n_draft; ++b) OI_INPUT_CHECK(in.draft[b] == 0, "draft: no drafter is loaded");
+  // Drafting sequences: one sampled row at least (the anchor is the token of its kept row, p <= its context
+  // length), and real blocks for every position its block may write (p + draft_block - 1 at most).
+  for (int b = 0; b < (int)in.n_draft; ++b) {
+    if (in.draft[b] == 0) continue;
+    OI_INPUT_CHECK(in.draft[b] == 1 && lim.draft_block > 0, "draft[" << b << "] = " << in.draft[b] << (lim.draft_block ? "" : ": no drafter is loaded"));
+    int first = -1, last = -1;
+    for (int r = 0; r < S; ++r)
+      if (in.sample_idx[r] >= qsl[b] && in.sample_idx[r] < qsl[b + 1]) {
+        if (first < 0) first = r;
+        last = r;
+      }
+    OI_INPUT_CHECK(first >= 0, "draft: sequence " << b << " samples no row");
+    const int end = in.context_lens[b] + lim.draft_block;  // positions [0, end) must have blocks
+    OI_INPUT_CHECK(end <= in.bt_stride * lim.block_size, "draft: sequence " << b << "'s block table does not cover its draft block");
+    for (int j = 0; j < (end + lim.block_size - 1) / lim.block_size; ++j) {
+      const int blk = in.block_tables[(int64_t)b * in.bt_stride + j];
+      OI_INPUT_CHECK(blk >= 1 && blk < lim.num_blocks, "draft: sequence " << b << "'s block " << j << " is " << blk);
+    }
+    p.draft_seqs.push_back(b);
+    p.draft_rows.push_back(in.verify ? first : last);
+  }
   for (int64_t i = 0; i < in.n_tap_rows; ++i)
     OI_INPUT_CHECK(in.tap_rows[i] >= 0 && in.tap_rows[i] < T, "tap row " << in.tap_rows[i] << " out of range");
   plan_copies(in, lim);

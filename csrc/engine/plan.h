@@ -21,7 +21,8 @@
 namespace oi {
 
 struct StepLimits {
-  int max_num_tokens, max_num_seqs, max_model_len, block_size, num_sms, max_split_rows;
+  int max_num_tokens, max_num_seqs, max_sampled_rows, max_model_len, block_size, num_sms, max_split_rows;
+  int draft_block;  // the drafter's block size (positions a draft writes past the step's), 0: no drafter
   int64_t num_blocks, num_host_blocks;
 };
 
@@ -30,6 +31,8 @@ struct StepPlan {
   std::vector<int32_t> sample_pos;  // [S] position of each sampled row
   std::vector<int32_t> seq_rows;    // verify: [B + 1] first sampled row of each sequence
   std::vector<int> tap_slot;        // [layers] index among tap_layers, or -1; empty without taps
+  std::vector<int32_t> draft_seqs;  // sequences that draft after the step, and the sampled row of each (verify:
+  std::vector<int32_t> draft_rows;  // its first; the drafter adds the accepted count on the device)
   int max_ctx = 0, max_rows = 1, num_splits = 1;
 };
 

@@ -73,6 +73,7 @@ struct StepResult {
   int S = 0, num_logprobs = 0, logit_rows = 0, vocab = 0, accepted_rows = 0, tap_rows = 0, tap_width = 0;
   int draft_rows = 0, num_drafts = 0;
   float gpu_ms = 0.f;
+  float draft_ms = 0.f;  // the drafter's part of gpu_ms
 };
 
 }  // namespace oi

@@ -37,15 +37,21 @@ void* Engine::alloc(size_t bytes, int64_t* counter) {
 }
 
 bf16* Engine::tensor_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols) {
-  const int64_t H = d_.hidden, I = d_.intermediate, D = d_.head_dim;
+  const int64_t H = d_.hidden;
   if (kind == "embed") { *rows = d_.vocab; *cols = H; return w_.embed; }
   if (kind == "lm_head") {
     OI_CHECK(!d_.tied, "lm_head given for a model with tied word embeddings");
     *rows = d_.vocab; *cols = H; return w_.lm_head;
   }
   if (kind == "final_norm") { *rows = 1; *cols = H; return w_.final_norm; }
+  if (kind.rfind("draft.", 0) == 0) return drafter_slot(kind.substr(6), layer, rows, cols);
   OI_CHECK(layer >= 0 && layer < d_.layers, "layer " << layer << " out of range for " << kind);
-  LayerWeights& L = w_.layers[layer];
+  return layer_slot(w_.layers[layer], kind, rows, cols);
+}
+
+// A decoder layer's tensor (the target's or the drafter's: they share the geometry).
+bf16* Engine::layer_slot(LayerWeights& L, const std::string& kind, int64_t* rows, int64_t* cols) const {
+  const int64_t H = d_.hidden, I = d_.intermediate, D = d_.head_dim;
   if (kind == "input_norm") { *rows = 1; *cols = H; return L.input_norm; }
   if (kind == "post_norm") { *rows = 1; *cols = H; return L.post_norm; }
   if (kind == "q_norm") { *rows = 1; *cols = D; return L.q_norm; }

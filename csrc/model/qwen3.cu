@@ -3,10 +3,7 @@
 #include "qwen3.h"
 
 namespace oi {
-namespace {
 
-// One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
-// kernels (through `scratch`) around cuBLASLt. kSiluMul writes SiLU(gate)·up ([M, N/2]) to y.
 void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
             int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s) {
   GemvArgs g{x, norm_w, eps, W, y, M, N, K, kernel};
@@ -24,7 +21,49 @@ void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps
   gemm.run(src, W, y, M, N, K, out == GemvOut::kAccumulate, out == GemvOut::kF32, s);
 }
 
-}  // namespace
+AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, const KvLayout& kv, const float2* rope) {
+  AttnArgs at{};
+  at.q = a.qkv;
+  at.q_stride = d.qkv_rows();
+  at.kv_cache = kv_cache;
+  at.kv = kv;
+  at.num_heads = d.heads;
+  at.out = a.attn;
+  at.ws_o = a.ws_o;
+  at.ws_lse = a.ws_lse;
+  at.counters = a.attn_counters;
+  at.cos_sin = rope;
+  at.eps = d.eps;
+  return at;
+}
+
+// One decoder layer over T rows, x updated in place. `at` carries the step's attention arguments (its
+// positions mask the keys); RoPE and the cache writes use rope_pos / slots (the same positions, except in
+// the drafter's block, which is not causal).
+void decoder_layer(const ModelDims& d, const LayerWeights& lw, int l, const Activations& a, AttnArgs& at, int T,
+                   const int32_t* rope_pos, const int32_t* slots, bool fuse_rope, Gemm& gemm, int num_sms,
+                   GemvKernel gk, cudaStream_t s) {
+  using In = GemvIn;
+  using Out = GemvOut;
+  const int H = d.hidden, I = d.intermediate;
+  linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
+         num_sms, gk, s);
+  if (!fuse_rope)
+    qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, rope_pos, slots, at.cos_sin, at.kv_cache, l, at.kv, T, d.heads,
+                          d.eps, s);
+  at.layer = l;
+  at.fuse_rope = fuse_rope;
+  at.q_norm_w = lw.q_norm;
+  at.k_norm_w = lw.k_norm;
+  paged_attention(at, s);
+  // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
+  linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr, nullptr,
+         gemm, num_sms, gk, s);
+  linear(In::kRmsNorm, Out::kSiluMul, a.x, lw.post_norm, d.eps, lw.gate_up, a.act, T, 2 * I, H, a.h, a.gu, gemm,
+         num_sms, gk, s);
+  linear(In::kPlain, Out::kAccumulate, a.act, nullptr, d.eps, lw.down, a.x, T, H, I, nullptr, nullptr, gemm, num_sms,
+         gk, s);
+}
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s) {
@@ -33,11 +72,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   using Out = GemvOut;
   embedding_lookup(w.embed, m.ids, a.x, T, H, s);
   // The attention arguments of this step; each layer sets its own index and q/k norm weights.
-  AttnArgs at{};
-  at.q = a.qkv;
-  at.q_stride = d.qkv_rows();
-  at.kv_cache = kv_cache;
-  at.kv = kv;
+  AttnArgs at = attn_args(d, a, kv_cache, kv, rope);
   at.block_tables = m.block_tables;
   at.bt_stride = m.bt_stride;
   at.positions = m.positions;
@@ -45,20 +80,13 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   at.work = m.work;
   at.num_work = m.num_work;
   at.num_tokens = T;
-  at.num_heads = d.heads;
   at.num_splits = m.num_splits;
   at.max_rows = m.max_rows;
-  at.out = a.attn;
-  at.ws_o = a.ws_o;
-  at.ws_lse = a.ws_lse;
-  at.counters = a.attn_counters;
-  at.cos_sin = rope;
   at.slots = m.slots;
-  at.eps = d.eps;
   at.variant = m.attention;
   // Batch-1 decode: every layer in one persistent kernel (kernels/persistent.cuh).
   const bool persistent = m.persistent;
-  OI_CHECK(!persistent || (T == 1 && m.fuse_rope && w.dev_layers && !m.tap_slot), "qwen3_forward: persistent step misplanned");
+  OI_CHECK(!persistent || (T == 1 && m.fuse_rope && w.dev_layers && !m.tap_slot && !m.ctx_slot), "qwen3_forward: persistent step misplanned");
   if (persistent) {
     PersistentArgs pa{};
     pa.layers = w.dev_layers;
@@ -81,26 +109,11 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     persistent_layers(pa, num_sms, s);
   }
   for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
-    const LayerWeights& lw = w.layers[l];
-    linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
-           num_sms, m.gemv, s);
-    if (!m.fuse_rope)
-      qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, m.positions, m.slots, rope, kv_cache, l, kv, T, d.heads,
-                            d.eps, s);
-    at.layer = l;
-    at.fuse_rope = m.fuse_rope;
-    at.q_norm_w = lw.q_norm;
-    at.k_norm_w = lw.k_norm;
-    paged_attention(at, s);
-    // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
-    linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr,
-           nullptr, gemm, num_sms, m.gemv, s);
-    linear(In::kRmsNorm, Out::kSiluMul, a.x, lw.post_norm, d.eps, lw.gate_up, a.act, T, 2 * I, H, a.h, a.gu, gemm,
-           num_sms, m.gemv, s);
-    linear(In::kPlain, Out::kAccumulate, a.act, nullptr, d.eps, lw.down, a.x, T, H, I, nullptr, nullptr, gemm, num_sms,
-           m.gemv, s);
+    decoder_layer(d, w.layers[l], l, a, at, T, m.positions, m.slots, m.fuse_rope, gemm, num_sms, m.gemv, s);
     if (m.tap_slot && m.tap_slot[l] >= 0)  // x is now the residual stream after layer l (HF hidden_states[l + 1])
       gather_rows(a.x, m.tap_rows, m.out_taps + (int64_t)m.tap_slot[l] * H, m.num_tap_rows, H, s, (int64_t)m.num_taps * H);
+    if (m.ctx_slot && m.ctx_slot[l] >= 0)  // the drafter's context features: every row
+      gather_rows(a.x, m.ctx_rows, m.ctx_feats + (int64_t)m.ctx_slot[l] * H, T, H, s, (int64_t)m.num_ctx_taps * H);
   }
   // Only the rows that sample go through the final norm and the lm_head.
   gather_rows(a.x, m.sample_idx, a.xs, m.S, H, s);

@@ -71,8 +71,27 @@ struct StepMeta {
   int num_taps, num_tap_rows;
   const int32_t* tap_rows;
   bf16* out_taps;
+  // The drafter's context features: ctx_slot[l] (host, [layers]) >= 0 copies every row's residual stream
+  // after layer l to ctx_feats[t, ctx_slot[l], :] ([T, num_ctx_taps, hidden]); ctx_rows = 0..T-1. Else null.
+  const int* ctx_slot;
+  int num_ctx_taps;
+  const int32_t* ctx_rows;
+  bf16* ctx_feats;
   uint64_t* trace;  // persistent_layers() profiling buffer, or null
 };
+
+// One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
+// kernels (through `scratch`) around cuBLASLt. kSiluMul writes SiLU(gate)·up ([M, N/2]) to y.
+void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
+            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s);
+
+// The attention arguments every step shares (buffers, geometry); the caller sets the step's own.
+AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, const KvLayout& kv, const float2* rope);
+
+// One decoder layer over T rows, x updated in place (qwen3.cu).
+void decoder_layer(const ModelDims& d, const LayerWeights& lw, int l, const Activations& a, AttnArgs& at, int T,
+                   const int32_t* rope_pos, const int32_t* slots, bool fuse_rope, Gemm& gemm, int num_sms,
+                   GemvKernel gk, cudaStream_t s);
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s);

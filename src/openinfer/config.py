@@ -208,8 +208,8 @@ class EngineConfig:
                               "restore prefixes from it (with the prefix cache off: every hit comes from the host)")
     kv_offload_host_gib: float | None = option(None, "size of the host KV tier in GiB (needs --kv-offload)")
     draft_model_path: str | None = option(
-        None, "DFlash or DSpark drafter directory: speculative decoding, lossless at any temperature (the CPU "
-        "backend only so far)", flag="--dflash-draft-model-path")
+        None, "DFlash or DSpark drafter directory: speculative decoding, lossless at any temperature",
+        flag="--dflash-draft-model-path")
     cuda_graph: bool = option(True, "replay decode steps from captured CUDA graphs")
     pdl: bool = option(True, "programmatic dependent launch: a kernel streams its weights while the previous one "
                        "ends (sm_90+)")
@@ -255,14 +255,13 @@ class EngineConfig:
         self.drafter_config = None
         if self.draft_model_path is not None:
             from .drafter import DrafterConfig
-            if self.device != "cpu":
-                raise ConfigError("{draft_model_path} (speculative decoding) runs on the CPU backend only so far "
-                                  "({device=cpu}); the CUDA drafter is not built yet")
             if self.kv_offload:
                 raise ConfigError("{draft_model_path} and {kv_offload} together are not supported yet")
             self.draft_model_path = str(self.draft_model_path)
             self.drafter_config = DrafterConfig.from_dir(self.draft_model_path)
             self.drafter_config.check_target(self.model_config)
+            if self.device == "cuda":
+                self.drafter_config.check_cuda(self.model_config)
         limit = self.model_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, MAX_MODEL_LEN_CAP)

@@ -74,14 +74,29 @@ def cuda_engine():
     return eng
 
 
+def _drafter_slot(name: str, m: ModelConfig) -> tuple[str, int, int] | None:
+    """A drafter tensor's engine slot (the target's layer names without `model.`, under draft.<kind>);
+    None for what the engine takes from the target (a DSpark checkpoint's copies of the embedding and
+    lm_head) or does not use (the confidence head)."""
+    top = {"fc.weight": "fc", "hidden_norm.weight": "hidden_norm", "norm.weight": "norm",
+           "markov_head.markov_w1.weight": "markov_w1", "markov_head.markov_w2.weight": "markov_w2"}
+    if name in top:
+        return "draft." + top[name], -1, 0
+    slot = _slot("model." + name, m) if name.startswith("layers.") else None
+    return ("draft." + slot[0], slot[1], slot[2]) if slot else None
+
+
 class CudaBackend:
     """The step contract (openinfer.step) on `_engine.Engine`."""
 
-    def __init__(self, m: ModelConfig, c: EngineConfig):
+    def __init__(self, m: ModelConfig, c: EngineConfig, spec_tokens: int = 0):
+        """spec_tokens: drafts verified per round (a verify step samples spec_tokens + 1 rows per sequence)."""
         _engine = cuda_engine()
         self.model_config = m
         t0 = time.perf_counter()
-        self.eng = _engine.Engine(m, c, _cublaslt_hint())
+        self.eng = _engine.Engine(m, c, _cublaslt_hint(), c.max_num_seqs * (1 + spec_tokens))
+        if c.drafter_config is not None:
+            self._load_drafter(c)
         if c.load_format == "random":
             self.eng.init_random(c.seed)
         else:
@@ -108,6 +123,19 @@ class CudaBackend:
             log.info("CUDA graphs captured for decode batch sizes %s (%.1f s with the KV pool)", self.eng.graph_batches,
                      time.perf_counter() - t1)
         self.last_gpu_ms = 0.0
+
+    def _load_drafter(self, c: EngineConfig) -> None:
+        from .drafter import iter_drafter_tensors
+
+        self.eng.set_drafter(c.drafter_config)
+        for name, arr in iter_drafter_tensors(c.draft_model_path, c.drafter_config):
+            slot = _drafter_slot(name, self.model_config)
+            if slot is not None:
+                kind, layer, off = slot
+                self.eng.load_tensor(kind, layer, arr, off)
+        log.info("drafter %s: %d layers, block %d, taps %s%s", c.draft_model_path, c.drafter_config.num_hidden_layers,
+                 c.drafter_config.block_size, list(c.drafter_config.target_layer_ids),
+                 f", Markov rank {c.drafter_config.markov_rank}" if c.drafter_config.markov_rank else "")
 
     def close(self) -> None:
         """Frees the GPU memory now (weights, KV cache, graphs) instead of whenever the last reference

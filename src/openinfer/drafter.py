@@ -119,6 +119,20 @@ class DrafterConfig:
             bad("block_size below 2, or a head layout Qwen3 layers cannot have")
 
 
+    def check_cuda(self, m: ModelConfig) -> None:
+        """What the CUDA engine's drafter needs beyond check_target: the target's layer geometry, a block
+        of at most 16 and a Markov rank that is a multiple of 8."""
+        mine = (self.num_attention_heads, self.num_key_value_heads, self.head_dim, self.intermediate_size)
+        theirs = (m.num_attention_heads, m.num_key_value_heads, m.head_dim, m.intermediate_size)
+        if mine != theirs:
+            raise ConfigError(f"the CUDA engine runs drafters with the target's layer geometry (heads, KV heads, "
+                              f"head_dim, intermediate size {theirs}); this one has {mine} ({{draft_model_path}})")
+        if self.block_size > 16 or self.markov_rank % 8:
+            raise ConfigError(f"the CUDA engine runs draft blocks of up to 16 with a Markov rank that is a multiple "
+                              f"of 8; this drafter has block {self.block_size}, rank {self.markov_rank} "
+                              "({draft_model_path})")
+
+
 def drafter_tensors(c: DrafterConfig) -> list[tuple[str, tuple[int, ...]]]:
     """Every tensor of the layout, in checkpoint order (no `model.` prefix)."""
     H, I, D = c.hidden_size, c.intermediate_size, c.head_dim
@@ -188,9 +202,10 @@ def write_random_drafter(out: str | Path, config: dict, seed: int = 0) -> Path:
     return out
 
 
-def load_drafter_fp32(path: str | Path, cfg: DrafterConfig) -> dict:
-    """The drafter's tensors as fp32 (the CPU backend); a missing or misshapen tensor is named."""
-    from .safetensors_io import SafetensorsFile, bf16_to_f32
+def iter_drafter_tensors(path: str | Path, cfg: DrafterConfig):
+    """(name, BF16 bits as uint16, memory-mapped) of every tensor of the layout; a missing or misshapen
+    tensor is named."""
+    from .safetensors_io import SafetensorsFile
 
     p = Path(path)
     files = sorted(p.glob("*.safetensors"))
@@ -198,7 +213,6 @@ def load_drafter_fp32(path: str | Path, cfg: DrafterConfig) -> dict:
         raise ConfigError(f"{{draft_model_path}} '{p}' holds no .safetensors file")
     opened = [SafetensorsFile(f) for f in files]
     where = {k: f for f in opened for k in f.keys()}
-    out = {}
     for name, shape in drafter_tensors(cfg):
         f = where.get(name)
         if f is None:
@@ -206,5 +220,11 @@ def load_drafter_fp32(path: str | Path, cfg: DrafterConfig) -> dict:
         a = f.get(name)
         if tuple(a.shape) != shape:
             raise ConfigError(f"the drafter's {name} is {list(a.shape)}, expected {list(shape)} ({{draft_model_path}})")
-        out[name] = bf16_to_f32(a).reshape(shape)
-    return out
+        yield name, a
+
+
+def load_drafter_fp32(path: str | Path, cfg: DrafterConfig) -> dict:
+    """The drafter's tensors as fp32 (the CPU backend)."""
+    from .safetensors_io import bf16_to_f32
+
+    return {name: bf16_to_f32(a).reshape(a.shape) for name, a in iter_drafter_tensors(path, cfg)}

@@ -34,13 +34,14 @@ class LLMEngine:
         self.config = config
         if drafter is None and config.drafter_config is not None:
             from .speculative import BackendDrafter
-            drafter = BackendDrafter(config.drafter_config.num_drafts)
+            drafter = BackendDrafter(config.drafter_config.num_drafts, config.drafter_config.block_size)
         self.model_config = config.model_config
         self.tokenizer = Tokenizer.from_files(config.model_files)
         # the detokenizer's byte tables (~0.2 s) build while the weights load (that part drops the GIL)
         threading.Thread(target=self.tokenizer.byte_table, args=(True,), daemon=True).start()
-        self.backend = self._make_backend()
-        self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0, verify_s=0.0)
+        self.backend = self._make_backend(drafter.num_tokens if drafter is not None else 0)
+        self._timing = dict(steps=0, overlapped=0, wall_s=0.0, gpu_s=0.0, last_wall_ms=0.0, last_gpu_ms=0.0, verify_s=0.0,
+                            draft_s=0.0)
         self.block_manager = BlockManager(self.backend.num_kv_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         nh = self.backend.num_host_blocks
@@ -63,11 +64,11 @@ class LLMEngine:
                  self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len,
                  f", host KV tier of {nh} blocks ({nh * config.kv_block_bytes / (1 << 30):.2f} GiB)" if nh else "")
 
-    def _make_backend(self):
+    def _make_backend(self, spec_tokens: int):
         c, m = self.config, self.model_config
         if c.device == "cuda":
             from .cuda_backend import CudaBackend
-            return CudaBackend(m, c)  # EngineUnavailable without an engine or a GPU
+            return CudaBackend(m, c, spec_tokens)  # EngineUnavailable without an engine or a GPU
         from .reference import ReferenceBackend
         if c.load_format == "random":
             from .tools.random_checkpoint import random_weights_fp32
@@ -156,7 +157,7 @@ class LLMEngine:
             if not self._overlap:
                 t0 = time.perf_counter()
                 self._launch(batch, before_launch)
-                out = self.runner.collect()
+                out = self._collect()
                 if any(it.drafts for it in batch.items):  # a verify step (its drafting included, when in the backend)
                     self._timing["verify_s"] += time.perf_counter() - t0
                 return sched.postprocess(batch, out), True
@@ -171,7 +172,12 @@ class LLMEngine:
             self._inflight = None
             if before_launch is not None:
                 before_launch()  # nothing launched: hand over the held updates before waiting on the GPU
-        return sched.postprocess(prev, self.runner.collect()), True
+        return sched.postprocess(prev, self._collect()), True
+
+    def _collect(self):
+        out = self.runner.collect()
+        self._timing["draft_s"] += out.draft_ms / 1e3
+        return out
 
     def _launch(self, batch, before_launch) -> None:
         try:
@@ -204,7 +210,7 @@ class LLMEngine:
                     last_step_host_ms=max(0.0, t["last_wall_ms"] - t["last_gpu_ms"]),
                     offloaded_bytes=copies.get("saved_bytes", 0), restored_bytes=copies.get("restored_bytes", 0),
                     restore_seconds=copies.get("restore_seconds", 0.0), spec_verify_seconds=t["verify_s"],
-                    spec_draft_seconds=getattr(getattr(self.backend, "drafter", None), "seconds", 0.0))
+                    spec_draft_seconds=t["draft_s"])
 
     def _log_host_tier(self) -> None:
         """Every LOG_PERIOD_S while the tier is in use: its occupancy and traffic, in the engine log."""

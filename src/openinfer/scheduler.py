@@ -70,7 +70,7 @@ class RequestUpdate:
 
 class Sequence:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 max_len: int, block_size: int, detok: IncrementalDetokenizer, spec_k: int = 0):
+                 max_len: int, block_size: int, detok: IncrementalDetokenizer, spec_k: int = 0, spec_span: int = 0):
         self.request_id = request_id
         self.params = params
         self.seed = seed
@@ -78,11 +78,12 @@ class Sequence:
         self.num_prompt = len(self.token_ids)
         self.max_len = max_len  # prompt + output tokens at most
         self.bs = block_size
-        # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most, plus the k draft
-        # positions a verify step may write past the committed ones
+        # the last token is sampled, never fed back: K/V for max_len - 1 tokens at most, plus the positions
+        # a round may write past the committed ones (spec_span: the k drafts verified, or a backend
+        # drafter's block)
         self.spec_k = spec_k  # drafts per verify round (0: no speculation)
         self.drafts: list[int] = []  # proposals for the next verify step
-        self.blocks_needed = -(-(max_len - 1 + spec_k) // block_size)
+        self.blocks_needed = -(-(max_len - 1 + spec_span) // block_size)
         self.num_computed = 0  # tokens whose K/V are in the cache
         self.block_table: list[int] = []
         self.num_sealed = 0
@@ -218,7 +219,8 @@ class Scheduler:
         if n == 0:
             raise RequestRejected("the prompt is empty")
         k = self.drafter.num_tokens if self.drafter is not None and self.drafter.serves(params) else 0
-        pool_tokens = self.bm.num_usable * self.bs - k  # a verify step may write k positions past the last
+        span = max(k, self.drafter.lookahead) if k else 0  # positions a round may write past the last
+        pool_tokens = self.bm.num_usable * self.bs - span
         if params.max_tokens is None:
             # "up to max_model_len", bounded by what the KV pool can ever hold (K/V of all but the last)
             max_len = min(self.max_model_len, pool_tokens + 1)
@@ -238,7 +240,7 @@ class Scheduler:
         if len(self.waiting) >= self.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.max_waiting} requests)")
         detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop)
-        seq = Sequence(request_id, list(prompt_token_ids), params, seed, max_len, self.bs, detok, k)
+        seq = Sequence(request_id, list(prompt_token_ids), params, seed, max_len, self.bs, detok, k, span)
         self.waiting.append(seq)
         self.requests[request_id] = seq
         return seq
@@ -303,10 +305,11 @@ class Scheduler:
                 budget -= self._add_chunk(batch, seq, budget, seq.num_computed)
         in_backend = self.drafter is not None and self.drafter.in_backend
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
-            need = -(-(it.start + it.num_tokens) // self.bs)
+            it.draft = in_backend and it.seq.spec_k > 0 and it.num_rows > 0
+            # a backend drafter writes its block's K/V past the step's tokens (its own pool, the same blocks)
+            need = -(-(it.start + it.num_tokens + (self.drafter.lookahead if it.draft else 0)) // self.bs)
             while len(it.seq.block_table) < need:
                 it.seq.block_table.append(self.bm.allocate())
-            it.draft = in_backend and it.seq.spec_k > 0 and it.num_rows > 0
         batch.kv_save, self._saves = self._saves, []
         return batch
 

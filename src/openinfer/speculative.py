@@ -17,6 +17,7 @@ from .sampling_params import SamplingParams
 class Drafter(Protocol):
     num_tokens: int  # k: proposals per round at most
     in_backend: bool  # True: the backend drafts during the step (StepInput.draft -> StepOutput.drafts)
+    lookahead: int  # positions past a drafting step's tokens whose blocks the backend's drafting writes (0: none)
 
     def serves(self, params: SamplingParams) -> bool:
         """Whether a request with these parameters speculates (the others run plainly beside it)."""
@@ -34,8 +35,11 @@ class BackendDrafter:
 
     in_backend = True
 
-    def __init__(self, num_tokens: int):
+    def __init__(self, num_tokens: int, block_size: int):
         self.num_tokens = num_tokens
+        # the CUDA engine writes the block's K/V at positions p .. p + block_size - 1 (p <= the step's
+        # context length) into the drafter's pool: those blocks must exist
+        self.lookahead = block_size
 
     def serves(self, params: SamplingParams) -> bool:
         return params.logprobs is None
@@ -51,6 +55,7 @@ class ReplayDrafter:
     are the recording and the rest are wrong, so each round keeps tau tokens: a controlled acceptance."""
 
     in_backend = False
+    lookahead = 0
 
     def __init__(self, recordings: dict[tuple[int, ...], Seq[int]], num_tokens: int, vocab_size: int,
                  accept: int | None = None):

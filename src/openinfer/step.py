@@ -78,6 +78,7 @@ class StepOutput:
     hidden: np.ndarray | None = None          # float32 [R, L, hidden] when tap_rows are asked for
     drafts: np.ndarray | None = None          # int32 [B, k] when draft is given: -1 where b did not draft
     gpu_ms: float = 0.0                       # device time of the forward (0 on the CPU backend)
+    draft_ms: float = 0.0                     # time of the drafter's part of the step (device time on CUDA)
 
 
 class Backend(Protocol):

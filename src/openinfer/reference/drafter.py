@@ -70,6 +70,27 @@ class ReferenceDrafter:
 
     def _propose(self, anchor, p, block_table, temperature, top_p, top_k, seed) -> list[int]:
         c, w = self.cfg, self.w
+        logits = self.block_logits(anchor, p, block_table)
+        # draft j predicts the token after position row = p + j (the target's row there draws the same noise)
+        rows = p + np.arange(len(logits))
+        one = (np.full(1, temperature, F32), np.full(1, top_p, F32), np.full(1, top_k, np.int32), np.full(1, seed, np.uint64))
+        out, prev = [], anchor
+        for j in range(len(logits)):
+            lj = logits[j:j + 1] + self.markov(prev)
+            prev = int(ops.sample(lj, *one, np.array([rows[j]]))[0])
+            out.append(prev)
+        return out
+
+    def markov(self, prev: int) -> np.ndarray:
+        """The Markov head's term for the slot after token `prev` (W2 . W1[prev]); zeros without one."""
+        if not self.cfg.markov_rank:
+            return np.zeros(self.cfg.vocab_size, F32)
+        return self.w["markov_head.markov_w2.weight"] @ self.w["markov_head.markov_w1.weight"][prev]
+
+    def block_logits(self, anchor: int, p: int, block_table) -> np.ndarray:
+        """[num_drafts, V]: the lm_head's logits at the block's draft slots (before the Markov head's
+        term), the context being positions < p."""
+        c, w = self.cfg, self.w
         B, bs = c.block_size, self.block_size
         x = self.embed[[anchor] + [c.mask_token_id] * (B - 1)]
         pos = np.arange(p, p + B)
@@ -99,15 +120,4 @@ class ReferenceDrafter:
             x = x + ops.silu_mul(m @ w[pre + "mlp.gate_proj.weight"].T, m @ w[pre + "mlp.up_proj.weight"].T) \
                 @ w[pre + "mlp.down_proj.weight"].T
         h = ops.rmsnorm(x, w["norm.weight"], c.rms_norm_eps)[c.first_slot:]
-        logits = h @ self.lm_head.T  # [num_drafts, V]
-        # draft j predicts the token after position row = p + j (the target's row there draws the same noise)
-        rows = p + np.arange(len(logits))
-        one = (np.full(1, temperature, F32), np.full(1, top_p, F32), np.full(1, top_k, np.int32), np.full(1, seed, np.uint64))
-        out, prev = [], anchor
-        for j in range(len(logits)):
-            lj = logits[j:j + 1]
-            if c.markov_rank:  # left to right: the previous token's W2 . W1[prev] correction
-                lj = lj + (w["markov_head.markov_w2.weight"] @ w["markov_head.markov_w1.weight"][prev])[None]
-            prev = int(ops.sample(lj, *one, np.array([rows[j]]))[0])
-            out.append(prev)
-        return out
+        return h @ self.lm_head.T

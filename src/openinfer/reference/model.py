@@ -163,10 +163,12 @@ class ReferenceBackend:
             out.hidden = tapped[np.asarray(s.tap_rows)] if self.drafter else tapped
             out.hidden = out.hidden[:, [taps.index(l) for l in asked]]
         if self.drafter:
+            t0 = self.drafter.seconds
             self.drafter.write_context(tapped[:, [taps.index(l) for l in self.drafter.tap_layers]], s.positions,
                                        s.slot_mapping)
             if s.draft is not None:
                 out.drafts = self._draft(s, out)
+            out.draft_ms = (self.drafter.seconds - t0) * 1e3
         return out
 
     def _draft(self, s: StepInput, out: StepOutput) -> np.ndarray:
