@@ -4,7 +4,7 @@
 #
 #   STAGES="kernels graphs model server bench" bash bench/gpu_session.sh
 #
-# Stages: kernels (tests/test_gpu_kernels.py, ~6 min), contract (tests/test_gpu_step_contract.py), kquick (its GEMV/attention subset, ~1 min),
+# Stages: kernels (tests/test_gpu_kernels.py, ~6 min), drafter (tests/test_gpu_drafter.py), contract (tests/test_gpu_step_contract.py), kquick (its GEMV/attention subset, ~1 min),
 # ncu (per-kernel times of one 4B batch-1 decode step), graphs (graph == eager, 32B random load),
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
 # CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
@@ -29,6 +29,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
   echo "== $stage"
   case $stage in
     kernels) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tee "$OUT/kernels.log" | tail -8 ;;
+    drafter) python3 -m pytest -q -rfE -s -p no:cacheprovider tests/test_gpu_drafter.py 2>&1 | tee "$OUT/drafter.log" |
+               grep -E "drafts equal|identical|passed|failed|Error" ;;
     contract) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_step_contract.py 2>&1 | tee "$OUT/contract.log" | tail -8 ;;
     kquick) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
               -k "gemv or (paged_attention and not 32k and 4b) or fills_gpu or (split_attention_equals and 1024)" 2>&1 | tail -3 ;;
