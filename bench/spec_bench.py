@@ -454,12 +454,19 @@ def cmd_project(a) -> dict:
 
 def table_project(res: dict) -> None:
     print(f"PROJECTION (not measured): {res['label']}; round = {res['round_kind']}, span {res['span']}")
-    print(f"{'engine':24} {'basis':5} {'B':>3} {'benchmark':9} {'tau':>5} {'round ms':>9} {'x plain':>7} "
-          f"{'TPOT spec':>9} {'TPOT plain':>10} {'speed-up':>8}")
+    names = list(dict.fromkeys(o["benchmark"] for o in res["rows"]))
+    taus = {o["benchmark"]: o["tau"] for o in res["rows"]}
+    print(f"{'engine':24} {'basis':5} {'B':>3} {'round ms':>9} {'plain ms':>9} {'x plain':>7}  "
+          + " ".join(f"{n[:8] + f' {taus[n]:.2f}':>16}" for n in names) + "   (TPOT ms / speed-up)")
+    groups = {}
     for o in res["rows"]:
-        print(f"{o['engine'][:24]:24} {o['basis']:5} {o['batch']:3} {o['benchmark'][:9]:9} {o['tau']:5.2f} "
-              f"{o['round_ms']:9.3f} {o['round_x_plain']:7.2f} {o['tpot_spec_ms']:9.3f} {o['tpot_plain_ms']:10.3f} "
-              f"{o['speedup']:7.2f}x")
+        groups.setdefault((o["engine"], o["basis"], o["batch"]), {})[o["benchmark"]] = o
+    for (engine, basis, B), g in groups.items():
+        o = next(iter(g.values()))
+        cells = " ".join(f"{g[n]['tpot_spec_ms']:8.3f} {g[n]['speedup']:6.2f}x" if n in g else f"{'':>16}"
+                         for n in names)
+        print(f"{engine[:24]:24} {basis:5} {B:3} {o['round_ms']:9.3f} {o['plain_step_ms']:9.3f} "
+              f"{o['round_x_plain']:7.2f}  {cells}")
     if res.get("goal_check"):
         g = res["goal_check"]
         print(f"goal ({res['goal']}): projected TPOT {g['tpot_spec_ms']:.3f} ms, round {g['round_x_plain']:.2f}x plain")
