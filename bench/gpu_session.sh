@@ -15,7 +15,10 @@
 # decode steps greedy and at the releases' default sampling, for .alt/ if present and this tree), options
 # (bench_engine A/B of EngineConfig OPTIONS over PRESETS and BATCHES), engine_ab (bench_engine 4B 1/8/64 and 8B 1
 # for .alt/ and this tree, twice alternated), greedy_ab (greedy tokens of a fixed prompt set, both trees),
-# hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments).
+# hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments), spec
+# (bench/spec_bench.py: 4B round costs with random DSpark-7 and DFlash-16 drafters, TPOT at controlled
+# acceptance tau 1..8 at concurrency 1/4/8, the projection at DSpark-4B's published tau; 8B round costs;
+# SPEC_ARGS are extra arguments to the rounds runs; 4 JSON files).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -25,6 +28,10 @@ export OPENINFER_TEST_CACHE=${OPENINFER_TEST_CACHE:-/tmp/ckpt} OPENINFER_TEST_RE
 export PYTHONPATH=$PYTHONPATH:$PWD/bench
 CKPT4B=$OPENINFER_TEST_CACHE/openinfer-ckpt/qwen3-4b
 need_4b() { [ -f "$CKPT4B/config.json" ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out "$CKPT4B"; }
+# a random drafter checkpoint (dspark-qwen3-4b, dflash-qwen3-8b, ...) in the cache, written once
+need_drafter() { [ -f "$OPENINFER_TEST_CACHE/openinfer-ckpt/$1/config.json" ] ||
+  python3 -m openinfer.tools.random_checkpoint --preset "$1" --out "$OPENINFER_TEST_CACHE/openinfer-ckpt/$1" >&2
+  echo "$OPENINFER_TEST_CACHE/openinfer-ckpt/$1"; }
 for stage in ${STAGES:-kernels graphs model server bench}; do
   echo "== $stage"
   case $stage in
@@ -91,6 +98,16 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
             --variants 'key_warps=0;key_warps=1' --out "$OUT/attn_kernel_ab.json" ;;
     options) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
              --prefill-len 64 --options "$OPTIONS" --out "$OUT/options_ab.json" | grep -v prefill ;;
+    spec) D4=$(need_drafter dspark-qwen3-4b),$(need_drafter dflash-qwen3-4b)
+          python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --draft-model-path "$D4" ${SPEC_ARGS:-} \
+            --out "$OUT/spec_rounds_4b.json" 2>>"$OUT/spec.log" | tail -22
+          python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1-8 --num-drafts 7 \
+            --out "$OUT/spec_serve_4b.json" 2>>"$OUT/spec.log" | tail -30
+          python3 bench/spec_bench.py project --rounds-json "$OUT/spec_rounds_4b.json" --out "$OUT/spec_project_4b.json" |
+            grep -E "PROJECTION|goal| gpu +1 "
+          python3 bench/spec_bench.py rounds --preset qwen3-8b --context 1024 \
+            --draft-model-path "$(need_drafter dspark-qwen3-8b)" ${SPEC_ARGS:-} --out "$OUT/spec_rounds_8b.json" \
+            2>>"$OUT/spec.log" | tail -12 ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
     *) echo "unknown stage $stage" ;;
