@@ -1,6 +1,7 @@
 """Tokenizer wrapper (`tokenizers` library); incremental detokenization is in detokenizer.py."""
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -10,6 +11,23 @@ from tokenizers import Tokenizer as _HFTokenizer
 from .model_files import ModelFiles
 
 log = logging.getLogger("openinfer")
+
+
+class TooManyTokens(ValueError):
+    """A text with more tokens than the caller's cap; `n` is its token count."""
+
+    def __init__(self, n: int, cap: int):
+        super().__init__(f"{n} tokens, more than {cap}")
+        self.n = n
+
+
+# How far a normalizer can shrink UTF-8 text, by its type (None: no normalizer). NFC composes at most
+# three UTF-8 bytes into one (a Hangul syllable, 3 bytes, from three 3-byte jamo; e + U+0301, 3 bytes,
+# is é, 2) and leaves ASCII alone. A normalizer not listed here gets no bound.
+_SHRINK = {None: 1, "NFC": 3}
+# Texts longer than this (characters) are encoded with the GIL released (encode_batch; encode holds it:
+# a 7 MB text held it for 7 s, stalling every other thread of the server).
+_RELEASE_GIL_CHARS = 1 << 15
 
 
 class Tokenizer:
@@ -72,9 +90,40 @@ class Tokenizer:
     def from_model_dir(cls, path: str | Path) -> "Tokenizer":
         return cls.from_files(ModelFiles.read(path))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, cap: int | None = None) -> list[int]:
+        """The text's token ids; with `cap`, TooManyTokens for a text of more tokens than that (the id
+        list of a long text is not built: 1M ids take 70 ms with the GIL held)."""
         # Qwen3 adds no BOS; special-token strings in the text map to their ids.
-        return self._tok.encode(text, add_special_tokens=False).ids
+        if len(text) <= _RELEASE_GIL_CHARS:
+            enc = self._tok.encode(text, add_special_tokens=False)
+        else:
+            enc = self._tok.encode_batch([text], add_special_tokens=False)[0]
+        if cap is not None and len(enc) > cap:
+            raise TooManyTokens(len(enc), cap)
+        return enc.ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """The most bytes of text one token stands for (Qwen3: 128; added tokens included)."""
+        table = self.byte_table(False)
+        if table is None:  # not byte-level BPE: the tokens' own spellings
+            table = [t.encode() for t in self._tok.get_vocab(with_added_tokens=True)]
+        return max(map(len, table))
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on len(encode(text)) from the text's length alone, without tokenizing: every
+        token stands for at most max_token_bytes of the normalized text (special tokens are matched in
+        the raw text, and are as long at most), and the normalizer shrinks the text by at most
+        _SHRINK (none for ASCII). 0 under a normalizer of unknown shrinkage."""
+        norm = self._tok.normalizer
+        shrink = _SHRINK.get(None if norm is None else type(norm).__name__)
+        if shrink is None:
+            return 0
+        if text.isascii():  # O(1) in CPython; NFC leaves ASCII as it is
+            nbytes, shrink = len(text), 1
+        else:
+            nbytes = len(text.encode("utf-8", "surrogatepass"))
+        return -(-nbytes // (shrink * self.max_token_bytes))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
