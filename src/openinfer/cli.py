@@ -135,7 +135,9 @@ def _address(host: str, port: int) -> str:
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads, so that a bad host or a port in use fails at
     once. Not listening yet: until the server starts, connections are refused rather than left hanging."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
+    # it a keep-alive response written in two parts waited 40 ms for the client's delayed ACK
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: no wait on TIME_WAIT
         sock.bind((host, port))

@@ -42,6 +42,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     """The ASGI app over a constructed LLMEngine; the engine loop starts with the app's lifespan."""
     ae = AsyncEngine(engine)
     tok = engine.tokenizer
+    tok.max_token_bytes  # worked out now (152k tokens), not under the first long prompt
     files = tok.files  # the model directory's files, as the engine's tokenizer read them
     if chat_template is None and files.chat_template:
         chat_template = ChatTemplate(files.chat_template)

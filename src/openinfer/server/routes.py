@@ -125,7 +125,7 @@ def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param:
 def _prompt_ids(st: ServerState, prompt: str | list[int], max_tokens: int | None, param: str) -> list[int]:
     """A prompt's token ids, checked against max_model_len. A text that cannot fit is refused from its
     length (Tokenizer.min_tokens: a 7 MB ASCII text is >= 54k tokens) before it is tokenized; one
-    that may fit is tokenized, and its ids built only when it does fit."""
+    that may fit is tokenized until it is known not to fit."""
     if isinstance(prompt, list):
         ids = _check_ids(st, prompt, param)
     else:
@@ -133,8 +133,8 @@ def _prompt_ids(st: ServerState, prompt: str | list[int], max_tokens: int | None
         try:
             ids = st.tokenizer.encode(prompt, cap=max(0, st.max_model_len - (max_tokens or 1)))
         except TooManyTokens as e:
-            _check_length(st, e.n, max_tokens, param)
-            raise  # unreachable: the length check refuses it
+            _check_length(st, e.n, max_tokens, param, at_least=True)
+            raise  # unreachable: more than the cap is too long
     _check_length(st, len(ids), max_tokens, param)
     return ids
 
