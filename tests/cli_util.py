@@ -40,3 +40,51 @@ def one_line(stderr: str) -> str:
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in stderr, stderr
     return lines[0]
+
+
+class ServerProcess:
+    """`openinfer-serve --device cpu` on a free port in a subprocess (its own interpreter, so a test's
+    clients share no GIL with it); `stop()` sends a signal and returns (exit status, output)."""
+
+    def __init__(self, env: dict, model_dir, *args: str, extra_env: dict | None = None, timeout: float = 90):
+        import signal
+        import socket
+
+        import httpx
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = subprocess.Popen(
+            ["openinfer-serve", "--model-path", str(model_dir), "--device", "cpu", "--port", str(self.port), *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env, **(extra_env or {})),
+            # as from a terminal: a suite started in the background would pass SIGINT ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited: " + self.proc.stdout.read())
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError("server did not become healthy")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    def wait(self, timeout: float) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            out, _ = self.proc.communicate()
+            raise AssertionError("server did not exit in time: " + out) from None
+        return self.proc.returncode, out
+
+    def stop(self, sig=None, timeout: float = 30) -> tuple[int, str]:
+        import signal
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM if sig is None else sig)
+        return self.wait(timeout)

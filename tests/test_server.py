@@ -373,20 +373,23 @@ def test_never_fitting_request_refused_at_once_while_others_complete(server, cli
 
 
 def test_multi_prompt_request_refused_midway_leaves_nothing(server, client):
-    """The prompts of a request are submitted together; when one is refused (here the queue fills
-    after two), the request is a 503 and the admitted ones are aborted: no request or block stays."""
-    sched = server.engine.scheduler
-    old = sched.max_waiting
-    sched.max_waiting = 2  # test hook
+    """The prompts of a request are submitted together; when one is refused (here the third needs more
+    KV blocks than the pool has), the request is a 400 and the admitted ones are aborted: no request or
+    block stays."""
+    stats = server.engine.stats()
+    pool_tokens = stats["kv_blocks_total"] * stats["block_size"]
+    if pool_tokens + 64 >= MAX_MODEL_LEN:
+        pytest.skip("needs a KV pool smaller than max_model_len (the CPU fixture's)")
+    long = [5] * (pool_tokens - 40)  # + max_tokens 64: fits max_model_len, never the pool
     logged = _Records()
     logging.getLogger("asyncio").addHandler(logged)
     try:
-        r = post(server, "/v1/completions", {"prompt": ["a b", "c d", "e f", "g h", "i j"], "max_tokens": 4})
+        r = post(server, "/v1/completions", {"prompt": [[1, 2], [3, 4], long, [6, 7], [8]], "max_tokens": 64})
         gc.collect()  # the refusals' futures: each unread error would be logged when it is collected
     finally:
-        sched.max_waiting = old
         logging.getLogger("asyncio").removeHandler(logged)
-    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "request_rejected", r.text
+    assert "KV blocks" in r.json()["error"]["message"]
     assert not [m for m in logged.messages if "never retrieved" in m], logged.messages
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
@@ -400,17 +403,24 @@ def test_multi_prompt_request_refused_midway_leaves_nothing(server, client):
     assert ok.status_code == 200 and [c["index"] for c in ok.json()["choices"]] == [0, 1, 2]
 
 
-def test_queue_full_is_503_with_retry_after(server, client):
+def test_more_choices_than_the_waiting_bound_is_400_not_503(server, client):
+    """A request whose prompts x n exceed the waiting queue's bound can never be queued: a 400 that
+    says why, at once (a 503 would have its client retry forever)."""
     sched = server.engine.scheduler
     old = sched.max_waiting
-    sched.max_waiting = 0  # test hook: every new request finds the waiting queue full
+    sched.max_waiting = 8  # test hook
     try:
-        r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        r = post(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "n": 12})
+        rc = post(server, "/v1/chat/completions", {"messages": USER, "max_tokens": 2, "n": 9})
+        fits = post(server, "/v1/completions", {"prompt": ["a", "b"], "max_tokens": 2, "n": 4})
     finally:
         sched.max_waiting = old
-    assert r.status_code == 503 and r.headers["retry-after"] == "1"
-    assert r.json()["error"]["code"] == "queue_full"
-    assert client.completions.create(model=NAME, prompt="hi", max_tokens=2).choices[0].text is not None
+    for resp, n in ((r, 12), (rc, 9)):
+        assert resp.status_code == 400 and "retry-after" not in resp.headers, resp.text
+        err = resp.json()["error"]
+        assert err["param"] == "n" and f"needs {n} engine requests" in err["message"] and "at most 8" in err["message"]
+    assert fits.status_code == 200 and len(fits.json()["choices"]) == 8
+    assert_idle(server)
 
 
 def test_engine_exception_fails_request_not_server(server, client):
@@ -428,7 +438,7 @@ def test_engine_exception_fails_request_not_server(server, client):
         eng.step = real_step
     assert r.status_code == 500, r.text
     assert r.json()["error"]["type"] == "server_error" and "injected fault" in r.json()["error"]["message"]
-    assert httpx.get(server.url + "/health").status_code == 200
+    assert wait_until(lambda: httpx.get(server.url + "/health").status_code == 200, 5)  # after the probe step
     assert client.completions.create(model=NAME, prompt="hi", max_tokens=3).usage.completion_tokens >= 1
     assert_idle(server)
 
@@ -584,10 +594,10 @@ def test_health_answers_while_a_prompt_is_tokenized(server):
     tok = server.state.tokenizer
     started = threading.Event()
 
-    def slow_encode(text, _encode=tok.encode):
+    def slow_encode(text, cap=None, _encode=tok.encode):
         started.set()
         time.sleep(1.5)
-        return _encode(text)
+        return _encode(text, cap)
 
     tok.encode = slow_encode
     try:
@@ -614,21 +624,21 @@ def test_small_bodies_tokenize_inline_large_ones_in_a_worker_thread(server):
     tok = server.state.tokenizer
     seen: list[str] = []
 
-    def spy(text, _encode=tok.encode):
+    def spy(text, cap=None, _encode=tok.encode):
         seen.append(threading.current_thread().name)
-        return _encode(text)
+        return _encode(text, cap)
 
-    def threads(prompt):
+    def threads(prompt, max_tokens):  # too long, but not so long that its length alone refuses it
         seen.clear()
-        r = post(server, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": 10**9})
-        assert r.status_code == 400, r.text
+        r = post(server, "/v1/completions", {"model": NAME, "prompt": prompt, "max_tokens": max_tokens})
+        assert r.status_code == 400 and "maximum context length" in r.text, r.text
         return set(seen)
 
     tok.encode = spy
     try:
-        small = threads("hello there")
-        many = threads(["word " * 200] * (routes._INLINE_BYTES // 1000 + 1))  # each 1 KB, together over
-        large = threads("word " * (routes._INLINE_BYTES // 5 + 1))
+        small = threads("hello there", MAX_MODEL_LEN - 1)
+        many = threads(["word " * 200] * (routes._INLINE_BYTES // 1000 + 1), MAX_MODEL_LEN - 100)  # each 1 KB
+        large = threads("word " * (routes._INLINE_BYTES // 5 + 1), 1)
     finally:
         del tok.encode
     worker = "AnyIO worker thread"

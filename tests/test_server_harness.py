@@ -15,7 +15,7 @@ class RunningServer:
     def __init__(self, engine, **app_kw):
         self.app = build_app(engine, **app_kw)
         self.state = self.app.state.openinfer
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # as cli.listen_socket
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         self.port = sock.getsockname()[1]

@@ -4,9 +4,11 @@ the fields of EngineConfig and ServerConfig (openinfer.config), help text and de
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -17,7 +19,7 @@ from .config import ConfigError, EngineConfig, OptionMessage, ServerConfig
 
 log = logging.getLogger("openinfer")
 PROG = "openinfer-serve"
-SHUTDOWN_GRACE_S = 5
+SHUTDOWN_GRACE_S = 5  # after --shutdown-timeout: for the ended requests' last events to go out
 
 
 def _bool(v: str) -> bool:
@@ -133,7 +135,9 @@ def _address(host: str, port: int) -> str:
 def listen_socket(host: str, port: int) -> socket.socket:
     """The server's socket, bound before the model loads, so that a bad host or a port in use fails at
     once. Not listening yet: until the server starts, connections are refused rather than left hanging."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets whose proto says TCP, and without
+    # it a keep-alive response written in two parts waited 40 ms for the client's delayed ACK
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: no wait on TIME_WAIT
         sock.bind((host, port))
@@ -189,7 +193,8 @@ def _serve(argv: list[str] | None) -> int:
     log.info("engine ready in %.1f s (device=%s, max_model_len=%s)", time.perf_counter() - t0, cfg.device,
              cfg.max_model_len)
     app = build_app(engine, served_model_name=name, api_key=srv.api_key,
-                    max_body_bytes=int(srv.max_body_mib * (1 << 20)))
+                    max_body_bytes=int(srv.max_body_mib * (1 << 20)), body_read_timeout=srv.body_read_timeout)
+    ae = app.state.openinfer.engine
 
     class _Server(uvicorn.Server):
         async def startup(self, sockets=None):
@@ -198,10 +203,26 @@ def _serve(argv: list[str] | None) -> int:
                 log.info("serving '%s' on http://%s: ready %.1f s after start", name, _address(srv.host, port),
                          time.perf_counter() - t0)
 
-    # On SIGINT/SIGTERM uvicorn stops accepting, gives open requests SHUTDOWN_GRACE_S to finish, then
-    # cancels them; the engine loop stops with the app's lifespan.
-    server = _Server(uvicorn.Config(app, log_level=srv.log_level, timeout_graceful_shutdown=SHUTDOWN_GRACE_S))
+        async def shutdown(self, sockets=None):
+            # uvicorn stops accepting and waits for the open requests; what is still running after
+            # --shutdown-timeout is ended with an error (a last SSE error event and [DONE]), so that it
+            # finishes well inside uvicorn's own limit instead of being cut mid-chunk
+            log.info("stopping: in-flight requests have %g s to finish", srv.shutdown_timeout)
+            asyncio.get_running_loop().call_later(
+                srv.shutdown_timeout, ae.end_all,
+                f"the server is shutting down (--shutdown-timeout {srv.shutdown_timeout:g} s passed)")
+            await super().shutdown(sockets)
+
+    server = _Server(uvicorn.Config(app, log_level=srv.log_level,
+                                    timeout_graceful_shutdown=srv.shutdown_timeout + SHUTDOWN_GRACE_S))
+    ae.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine cannot recover: stop, exit 1
+    # uvicorn re-raises the signal it stopped on to the handler found before it; for SIGTERM (a supervisor's
+    # stop) that handler does nothing, so a clean stop exits 0 instead of dying by the signal
+    signal.signal(signal.SIGTERM, lambda *_: None)
     server.run(sockets=[sock])
+    if ae.fatal is not None:
+        log.error("the engine failed and did not recover (%s); exiting with status 1", ae.fatal)
+        return 1
     return 0 if server.started else 1
 
 

@@ -15,6 +15,7 @@ from .model_files import ModelFiles
 ENV_VARS = {
     "OPENINFER_PROGRESS": "1/0 forces the weight-loading progress bar on/off (default: on when stderr is a tty)",
     "OPENINFER_API_KEY": "the API key openinfer-serve requires when --api-key is not given (keeps it out of `ps`)",
+    "OPENINFER_TEST_FAULT": "tests only: engine steps raise as a failed CUDA step would (step_fault())",
 }
 
 DOWNLOAD_HINT = "hf download Qwen/Qwen3-4B --local-dir models/Qwen3-4B"
@@ -36,6 +37,38 @@ def env_str(name: str) -> str | None:
     """A declared string env var: its value, or None when unset or empty."""
     assert name in ENV_VARS, name
     return os.environ.get(name) or None
+
+
+@dataclass(frozen=True)
+class StepFault:
+    """Tests only (OPENINFER_TEST_FAULT=FIRST[:COUNT[:oom]]): LLMEngine.step calls FIRST, FIRST+1, ...
+    (1-based, COUNT of them, default 1; COUNT 0: every call from FIRST on, as a dead CUDA context does)
+    raise a RuntimeError worded as a CUDA error, or with `oom` a MemoryError."""
+    first: int
+    count: int = 1
+    oom: bool = False
+
+    def check(self, call: int) -> None:
+        if call >= self.first and (self.count == 0 or call < self.first + self.count):
+            if self.oom:
+                raise MemoryError(f"CUDA out of memory (OPENINFER_TEST_FAULT, step call {call})")
+            raise RuntimeError(f"CUDA error: an illegal memory access was encountered (OPENINFER_TEST_FAULT, "
+                               f"step call {call})")
+
+
+def step_fault() -> StepFault | None:
+    """The test-only step fault OPENINFER_TEST_FAULT asks for, or None (unset: always, outside tests)."""
+    v = env_str("OPENINFER_TEST_FAULT")
+    if v is None:
+        return None
+    parts = v.split(":")
+    try:
+        first, count = int(parts[0]), int(parts[1]) if len(parts) > 1 else 1
+    except ValueError:
+        raise ConfigError(f"OPENINFER_TEST_FAULT must be FIRST[:COUNT[:oom]], got {v!r}") from None
+    if first < 1 or count < 0 or len(parts) > 3 or parts[2:] not in ([], ["oom"]):
+        raise ConfigError(f"OPENINFER_TEST_FAULT must be FIRST[:COUNT[:oom]], got {v!r}")
+    return StepFault(first, count, parts[2:] == ["oom"])
 
 
 def _model_hint(p: Path, device: str | None) -> str:
@@ -328,6 +361,9 @@ class ServerConfig:
     api_key: str | None = option(None, "require 'Authorization: Bearer <key>' on /v1/*, /tokenize and /detokenize "
                                  "(default: $OPENINFER_API_KEY; unset: no key)")
     max_body_mib: float = option(8, "largest request body accepted in MiB (413 beyond)")
+    body_read_timeout: float = option(30.0, "seconds a client has to send its whole request body (408 beyond)")
+    shutdown_timeout: float = option(30.0, "on SIGTERM or Ctrl-C, seconds in-flight requests have to finish before "
+                                     "they are ended with an error")
     log_level: str = option("info", "log level of the server and the engine", choices=LOG_LEVELS)
 
     def __post_init__(self):
@@ -339,6 +375,10 @@ class ServerConfig:
             self.api_key = env_str("OPENINFER_API_KEY")
         if not isinstance(self.max_body_mib, (int, float)) or not self.max_body_mib > 0:
             raise ConfigError("{max_body_mib} must be a positive number, got " + repr(self.max_body_mib))
+        for name in ("body_read_timeout", "shutdown_timeout"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError("{%s} must be a positive number of seconds, got %r" % (name, v))
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("{log_level} must be one of " + ", ".join(LOG_LEVELS) + f", got {self.log_level!r}")
 

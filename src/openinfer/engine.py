@@ -13,7 +13,7 @@ import numpy as np
 
 from .block_manager import BlockManager
 from .host_tier import HostTier
-from .config import EngineConfig
+from .config import EngineConfig, step_fault
 from .runner import Runner
 from .sampling_params import SamplingParams, default_params
 from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, Scheduler
@@ -60,6 +60,7 @@ class LLMEngine:
         self._tier_logged, self._tier_key = 0.0, None
         self._closed = False
         self._seed_rng = np.random.default_rng(config.seed)  # seeds for requests that bring none
+        self._fault, self._step_calls = step_fault(), 0  # tests only (OPENINFER_TEST_FAULT)
         log.info("engine ready: device=%s, %d KV blocks of %d tokens, max_model_len %d%s", config.device,
                  self.backend.num_kv_blocks, config.kv_block_size, config.max_model_len,
                  f", host KV tier of {nh} blocks ({nh * config.kv_block_bytes / (1 << 30):.2f} GiB)" if nh else "")
@@ -123,7 +124,10 @@ class LLMEngine:
         scheduling and postprocessing hide under the GPU. The updates of a step come from the call after
         its launch."""
         t0 = time.perf_counter()
+        self._step_calls += 1
         try:
+            if self._fault is not None:
+                self._fault.check(self._step_calls)
             updates, finished_step = self._step(before_launch)
         except BaseException:
             self._abandon_inflight()

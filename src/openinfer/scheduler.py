@@ -173,6 +173,7 @@ class SchedulerStats:
     prefill_tokens_computed: int  # prompt tokens actually run through the model
     generation_tokens: int
     num_finished: int
+    num_admitted: int = 0  # requests that left the waiting queue for the batch (the server's drain rate)
     host_tier_blocks_total: int = 0
     host_tier_blocks_used: int = 0
     host_hit_tokens: int = 0  # prompt tokens restored from the host tier
@@ -207,7 +208,7 @@ class Scheduler:
         self._saving: deque[ScheduledBatch] = deque()  # launched, saves not landed (launch order)
         self._loading: deque[ScheduledBatch] = deque()  # launched, restores not landed
         self._counters = dict(prefix_cache_hit_tokens=0, prefix_cache_queried_tokens=0, prompt_tokens=0,
-                              prefill_tokens_computed=0, generation_tokens=0, num_finished=0, host_hit_tokens=0,
+                              prefill_tokens_computed=0, generation_tokens=0, num_finished=0, num_admitted=0, host_hit_tokens=0,
                               offloaded_blocks=0, restored_blocks=0, spec_rounds=0, spec_draft_tokens=0,
                               spec_accepted_tokens=0)
 
@@ -344,6 +345,7 @@ class Scheduler:
         c["prefix_cache_queried_tokens"] += seq.num_prompt
         c["prefix_cache_hit_tokens"] += len(hits) * self.bs
         c["prompt_tokens"] += seq.num_prompt
+        c["num_admitted"] += 1
         return True
 
 

@@ -38,10 +38,11 @@ class _TrailingSlash:
 
 def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              chat_template: ChatTemplate | None = None) -> Starlette:
+              chat_template: ChatTemplate | None = None, body_read_timeout: float = 30.0) -> Starlette:
     """The ASGI app over a constructed LLMEngine; the engine loop starts with the app's lifespan."""
     ae = AsyncEngine(engine)
     tok = engine.tokenizer
+    tok.max_token_bytes  # worked out now (152k tokens), not under the first long prompt
     files = tok.files  # the model directory's files, as the engine's tokenizer read them
     if chat_template is None and files.chat_template:
         chat_template = ChatTemplate(files.chat_template)
@@ -52,7 +53,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
                      max_model_len=engine.config.max_model_len,
                      vocab_size=engine.model_config.vocab_size, api_key=api_key,
                      max_body_bytes=max_body_bytes, metrics=Metrics(ae, served_model_name),
-                     defaults=defaults)
+                     defaults=defaults, body_read_timeout=body_read_timeout)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -12,12 +12,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import queue
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 log = logging.getLogger("openinfer.server")
 
@@ -28,6 +30,47 @@ class EngineDeadError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """A step raised; the requests in flight were failed and aborted, the loop lives on."""
+    status, code = 500, "internal_error"  # what the client is answered
+
+
+class ShuttingDown(EngineStepError):
+    """The server is stopping and the request's time to finish is up (--shutdown-timeout)."""
+    status, code = 503, "server_shutting_down"
+
+
+class DrainRate:
+    """How fast the waiting queue drains: requests admitted per second over the last WINDOW_S, from
+    (time, admitted so far) samples the engine thread takes. `retry_after` tells a refused client
+    when the queue ahead of it will have drained at that rate, so retries spread out with the load
+    (a constant 1 s had 40 clients make 608 attempts)."""
+    WINDOW_S = 10.0
+    MIN_SPAN_S = 0.5  # a rate from a shorter span is noise
+    MAX_S = 60  # and when nothing drains at all
+
+    def __init__(self):
+        self._samples: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def sample(self, t: float, admitted: int) -> None:
+        with self._lock:
+            self._samples.append((t, admitted))
+            while len(self._samples) > 2 and self._samples[1][0] <= t - self.WINDOW_S:
+                self._samples.popleft()
+
+    def rate(self) -> float | None:
+        """Requests per second, or None before MIN_SPAN_S of samples."""
+        with self._lock:
+            if len(self._samples) < 2:
+                return None
+            (t0, a0), (t1, a1) = self._samples[0], self._samples[-1]
+        return (a1 - a0) / (t1 - t0) if t1 - t0 >= self.MIN_SPAN_S else None
+
+    def retry_after(self, waiting: int) -> int:
+        """Whole seconds until `waiting` requests ahead have been admitted, in [1, MAX_S]."""
+        r = self.rate()
+        if not r:
+            return 1 if r is None or waiting == 0 else self.MAX_S
+        return max(1, min(self.MAX_S, math.ceil(waiting / r)))
 
 
 @dataclass
@@ -112,7 +155,13 @@ class RequestGroup:
 
 
 class AsyncEngine:
+    """After a step raises, the requests in flight fail (500) and the engine is unhealthy (/health 503,
+    new requests 503) until a probe request (one token) runs through it; probes are tried PROBES times,
+    PROBE_BACKOFF_S, 2x, 4x ... apart, and when none succeeds the loop ends (`fatal`; `on_fatal` is
+    called: openinfer-serve exits non-zero for its supervisor)."""
     STATS_PERIOD_S = 0.01  # while busy, the metrics snapshot is refreshed at most this often
+    PROBES = 3
+    PROBE_BACKOFF_S = 0.25
 
     def __init__(self, engine: Any, idle_poll_s: float = 0.05):
         self.engine = engine
@@ -126,6 +175,10 @@ class AsyncEngine:
         self.step_count = 0
         self.busy_seconds = 0.0  # wall time of loop iterations that ran a step (GPU share: gpu_s / this)
         self.fatal: BaseException | None = None
+        self.on_fatal: Callable[[], None] | None = None  # called from the engine thread when the loop dies
+        self.healthy = True  # False from a failed step until a probe step succeeds
+        self.drain = DrainRate()
+        self._refusing: str | None = None  # end_all(): why new requests are refused
         self._thread = threading.Thread(target=self._run, name="openinfer-engine", daemon=True)
 
     # -- asyncio side
@@ -147,10 +200,30 @@ class AsyncEngine:
     def alive(self) -> bool:
         return self._thread.is_alive() and not self._stop.is_set()
 
+    @property
+    def max_waiting(self) -> int:
+        return self.engine.scheduler.max_waiting
+
+    def queue_full(self, n: int) -> bool:
+        """Whether n more requests would overflow the waiting queue, by the latest snapshot: a 503 at
+        once, not after the step running now (the engine thread still decides when this says no)."""
+        return self.stats.get("num_waiting", 0) + n > self.max_waiting
+
+    def retry_after(self) -> int:
+        return self.drain.retry_after(self.stats.get("num_waiting", 0))
+
     def new_group(self) -> RequestGroup:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
+        if self._refusing:
+            raise EngineDeadError(self._refusing)
         return RequestGroup(self, f"req-{next(self._ids)}")
+
+    def end_all(self, reason: str) -> None:
+        """Thread-safe: ends every request in flight with ShuttingDown(reason) (streams get a last error
+        event) and refuses new ones; the loop itself runs on until shutdown()."""
+        self._refusing = reason
+        self._submit(("end", reason))
 
     def _submit(self, msg: tuple) -> None:
         self._inbox.put(msg)
@@ -161,6 +234,7 @@ class AsyncEngine:
         try:
             s = self.engine.stats()
             self.stats = dict(s) if isinstance(s, dict) else dict(vars(s))
+            self.drain.sample(self._stats_at, self.stats.get("num_admitted", 0))
         except Exception:  # metrics must never take the loop down
             log.exception("engine.stats() failed")
 
@@ -175,6 +249,8 @@ class AsyncEngine:
                 return
             self._subs[rid] = sub
             _settle_from_thread(loop, fut, None)
+        elif kind == "end":
+            self._fail_all(ShuttingDown(msg[1]))
         elif kind == "abort":
             rid = msg[1]
             if self._subs.pop(rid, None) is not None:
@@ -196,8 +272,8 @@ class AsyncEngine:
             pass
         return handled
 
-    def _fail_all(self, exc: BaseException) -> None:
-        err = EngineStepError(f"engine step failed: {type(exc).__name__}: {exc}")
+    def _fail_all(self, err: EngineStepError) -> None:
+        """Every request in flight gets `err` and is aborted."""
         for rid, sub in list(self._subs.items()):
             sub.group._post((sub.index, err))
             try:
@@ -250,7 +326,8 @@ class AsyncEngine:
                 except Exception as e:
                     log.exception("engine step failed; failing the requests in flight")
                     flush()
-                    self._fail_all(e)
+                    self._fail_all(EngineStepError(f"engine step failed: {type(e).__name__}: {e}"))
+                    self._recover()
                     self._refresh_stats()
                     continue
                 flush()  # no-op unless the step launched nothing and collected nothing
@@ -262,7 +339,7 @@ class AsyncEngine:
         except Exception as e:  # the loop itself broke: /health turns 503
             self.fatal = e
             log.exception("engine loop died")
-            self._fail_all(EngineDeadError("engine loop died"))
+            self._fail_all(EngineStepError(f"engine loop died: {e}"))
         finally:
             self._stop.set()
             try:
@@ -270,8 +347,39 @@ class AsyncEngine:
             except Exception:
                 log.exception("posting the last updates failed")
             if self._subs:  # shutdown with requests in flight: end them rather than leave them hanging
-                self._fail_all(EngineDeadError("the server is shutting down"))
+                self._fail_all(ShuttingDown("the server is shutting down"))
             self._refuse_queued()
+            if self.fatal is not None and self.on_fatal is not None:
+                self.on_fatal()
+
+    def _recover(self) -> None:
+        """After a failed step: unhealthy until a probe request runs through; EngineDeadError when
+        PROBES probes fail (a CUDA error is sticky: every later step fails too)."""
+        self.healthy = False
+        for i in range(self.PROBES):
+            if self._stop.wait(self.PROBE_BACKOFF_S * 2 ** i):
+                return
+            try:
+                self._probe(f"probe-{next(self._ids)}")
+            except Exception as e:
+                log.warning("probe step %d/%d failed: %s: %s", i + 1, self.PROBES, type(e).__name__, e)
+                continue
+            self.healthy = True
+            log.info("a probe step ran after the failed step: serving again")
+            return
+        raise EngineDeadError(f"{self.PROBES} probe steps failed after a failed step")
+
+    def _probe(self, rid: str) -> None:
+        from ..sampling_params import SamplingParams
+        self.engine.add_request(rid, [0], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+        try:
+            for _ in range(100):  # one prefill step, plus an overlapped step's collect
+                self.engine.step()
+                if not self.engine.has_unfinished():
+                    return
+            raise RuntimeError("the probe request did not finish in 100 steps")
+        finally:
+            self.engine.abort_request(rid)
 
     def _refuse_queued(self) -> None:
         """After the loop ends, fails admissions nobody will read any more."""

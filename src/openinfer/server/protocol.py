@@ -39,6 +39,11 @@ def internal(message: str) -> APIError:
     return APIError(500, message, type="server_error", code="internal_error")
 
 
+def engine_error(e: Exception) -> APIError:
+    """What a request the engine failed is answered (an EngineStepError: its status and code)."""
+    return APIError(e.status, str(e), type="server_error", code=e.code)
+
+
 # Unsupported fields and the value(s) that mean "off" (accepted and ignored).
 _UNSUPPORTED_COMMON = {
     "presence_penalty": (None, 0, 0.0),

@@ -26,16 +26,17 @@ from ..chat import (ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemp
                     loads_text_json)
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams, choice_params
+from ..tokenizer import TooManyTokens
 from ..version import build_info
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
 from .metrics import CONTENT_TYPE, Metrics, RequestTimer
-from .protocol import APIError, bad, internal, model_field, parse_chat, parse_completion
+from .protocol import APIError, bad, engine_error, internal, model_field, parse_chat, parse_completion
 from .sse import DONE, SSEResponse, error_event, event
 
 log = logging.getLogger("openinfer.server")
 
-RETRY_AFTER_S = 1
+CLOSE = {"Connection": "close"}  # the rest of the request's body is never read: the connection goes
 CLIENT_GONE = 499  # nginx's "client closed request": nobody reads it, but the access log shows it
 
 
@@ -50,6 +51,7 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     metrics: Metrics
+    body_read_timeout: float = 30.0  # seconds for a whole request body (408 beyond)
     defaults: dict = field(default_factory=dict)  # sampling defaults from generation_config.json
     build: dict = field(default_factory=build_info)  # GET /version: the package's and its engine's
     created: int = field(default_factory=lambda: int(time.time()))
@@ -59,25 +61,39 @@ def _error(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
-async def _read_json(request: Request, limit: int) -> Any:
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"request body over {limit} bytes", code="request_too_large", headers=CLOSE)
+
+
+async def _read_json(st: ServerState, request: Request, parse=None) -> Any:
+    """The body as JSON (then `parse(body)`), read under the size limit and the read timeout; a body
+    over the limit or late is answered (413, 408) and the rest of it never read (Connection: close).
+    Parsing a large body runs off the event loop."""
+    limit = st.max_body_bytes
     cl = request.headers.get("content-length", "")
-    if cl.isdigit() and int(cl) > 4 * limit:  # not worth draining: refuse and drop the connection
-        raise APIError(413, f"request body over {limit} bytes", code="request_too_large",
-                       headers={"Connection": "close"})
+    if cl.isdigit() and int(cl) > limit:
+        raise _too_large(limit)
     chunks, size = [], 0
-    async for chunk in request.stream():  # drain it all so the client sees the 413, not a reset
-        size += len(chunk)
-        if size <= limit:
-            chunks.append(chunk)
-        elif size > 4 * limit:
-            break
-    if size > limit:
-        raise APIError(413, f"request body over {limit} bytes", code="request_too_large")
+    try:
+        with anyio.fail_after(st.body_read_timeout):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {st.body_read_timeout:g} s",
+                       code="request_timeout", headers=CLOSE) from None
     request.state.body_bytes = size
+    return await _off_loop(size, _parse_json, b"".join(chunks), parse)
+
+
+def _parse_json(raw: bytes, parse) -> Any:
     try:  # lone surrogates refused here, once, not wherever a string is encoded later
-        return loads_text_json(b"".join(chunks))
+        body = loads_text_json(raw)
     except ValueError as e:
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
+    return body if parse is None else parse(body)
 
 
 def _check_model(st: ServerState, model: str | None) -> None:
@@ -92,21 +108,51 @@ def _check_ids(st: ServerState, ids: list[int], param: str) -> list[int]:
     return ids
 
 
-def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param: str) -> None:
-    if n_prompt == 0:
+def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param: str,
+                  at_least: bool = False) -> None:
+    """n_prompt: the prompt's tokens, or with `at_least` a lower bound on them."""
+    if n_prompt == 0 and not at_least:
         raise bad("the prompt is empty after tokenization", param)
     want = n_prompt + (max_tokens or 1)
     if want > st.max_model_len:
+        more = "at least " if at_least else ""
         raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, you "
-                  f"requested {want} tokens ({n_prompt} in the prompt, {max_tokens or 1} for the "
-                  "completion). Please reduce the prompt or max_tokens.", param,
+                  f"requested {more}{want} tokens ({more}{n_prompt} in the prompt, {max_tokens or 1} for "
+                  "the completion). Please reduce the prompt or max_tokens.", param,
                   "context_length_exceeded")
+
+
+def _prompt_ids(st: ServerState, prompt: str | list[int], max_tokens: int | None, param: str) -> list[int]:
+    """A prompt's token ids, checked against max_model_len. A text that cannot fit is refused from its
+    length (Tokenizer.min_tokens: a 7 MB ASCII text is >= 54k tokens) before it is tokenized; one
+    that may fit is tokenized until it is known not to fit."""
+    if isinstance(prompt, list):
+        ids = _check_ids(st, prompt, param)
+    else:
+        _check_length(st, st.tokenizer.min_tokens(prompt), max_tokens, param, at_least=True)
+        try:
+            ids = st.tokenizer.encode(prompt, cap=max(0, st.max_model_len - (max_tokens or 1)))
+        except TooManyTokens as e:
+            _check_length(st, e.n, max_tokens, param, at_least=True)
+            raise  # unreachable: more than the cap is too long
+    _check_length(st, len(ids), max_tokens, param)
+    return ids
 
 
 async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
     """One engine request per prompt; maps admission errors to 400 / 503."""
+    ae = st.engine
+    if len(prompts) > ae.max_waiting:  # all of them wait in the queue at once: never admitted
+        raise bad(f"this request needs {len(prompts)} engine requests (prompts x n), but the waiting queue "
+                  f"holds at most {ae.max_waiting} (--max-waiting-requests); send fewer prompts or a smaller n",
+                  "n", "too_many_requests_in_one")
+    if not ae.healthy:
+        raise APIError(503, "the engine is recovering from a failed step", type="server_error",
+                       code="engine_unavailable", headers={"Retry-After": "1"})
+    if ae.queue_full(len(prompts)):
+        raise _queue_full(ae, f"the waiting queue is full ({ae.max_waiting} requests)")
     try:
-        group = st.engine.new_group()
+        group = ae.new_group()
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error", code="engine_dead") from None
     try:
@@ -116,8 +162,7 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
         raise APIError(503, str(e), type="server_error", code="engine_dead") from None
     except QueueFull as e:
         group.close()
-        raise APIError(503, f"server busy: {e}", type="server_error", code="queue_full",
-                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        raise _queue_full(ae, str(e)) from None
     except (RequestRejected, ValueError) as e:
         group.close()
         raise bad(str(e), param, "request_rejected") from None
@@ -125,6 +170,11 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
         group.close()
         raise
     return group
+
+
+def _queue_full(ae: AsyncEngine, why: str) -> APIError:
+    return APIError(503, f"server busy: {why}", type="server_error", code="queue_full",
+                    headers={"Retry-After": str(ae.retry_after())})
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -167,7 +217,7 @@ def _auth(st: ServerState, request: Request) -> None:
     key = h[7:].strip() if h[:7].lower() == "bearer " else ""
     if not hmac.compare_digest(key.encode(), st.api_key.encode()):
         raise APIError(401, "Incorrect or missing API key (send 'Authorization: Bearer <key>')",
-                       code="invalid_api_key")
+                       code="invalid_api_key", headers=CLOSE)
 
 
 def _route(fn, authed: bool = True):
@@ -183,7 +233,7 @@ def _route(fn, authed: bool = True):
         except ChatError as e:
             return _error(bad(str(e), e.param))
         except EngineStepError as e:
-            return _error(internal(str(e)))
+            return _error(engine_error(e))
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             return Response(status_code=CLIENT_GONE)
         except asyncio.CancelledError:
@@ -195,9 +245,11 @@ def _route(fn, authed: bool = True):
 
 
 async def health(st: ServerState, request: Request) -> Response:
-    if st.engine.alive:
-        return JSONResponse({"status": "ok"})
-    return JSONResponse({"status": "engine loop not running"}, status_code=503)
+    if not st.engine.alive:
+        return JSONResponse({"status": "engine loop not running"}, status_code=503)
+    if not st.engine.healthy:
+        return JSONResponse({"status": "recovering from a failed step"}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 async def index(st: ServerState, request: Request) -> Response:
@@ -245,7 +297,7 @@ async def _off_loop(size: int, fn, *args):
 
 
 async def tokenize(st: ServerState, request: Request) -> Response:
-    body = await _read_json(request, st.max_body_bytes)
+    body = await _read_json(st, request)
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_model(st, model_field(body))
@@ -262,7 +314,7 @@ async def tokenize(st: ServerState, request: Request) -> Response:
 
 
 async def detokenize(st: ServerState, request: Request) -> Response:
-    body = await _read_json(request, st.max_body_bytes)
+    body = await _read_json(st, request)
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
     _check_model(st, model_field(body))
@@ -279,13 +331,12 @@ def _usage(n_prompt: int, n_gen: int) -> dict:
 
 async def completions(st: ServerState, request: Request) -> Response:
     t0 = now()
-    req = parse_completion(await _read_json(request, st.max_body_bytes), st.defaults)
+    req = await _read_json(st, request, lambda body: parse_completion(body, st.defaults))
     _check_model(st, req.model)
     # one decision for the whole body: many small prompts add up to a large one
+    max_tokens = req.gen.sampling.max_tokens
     prompts = await _off_loop(request.state.body_bytes, lambda: [
-        _check_ids(st, p, "prompt") if isinstance(p, list) else st.tokenizer.encode(p) for p in req.prompts])
-    for ids in prompts:
-        _check_length(st, len(ids), req.gen.sampling.max_tokens, "prompt")
+        _prompt_ids(st, p, max_tokens, "prompt") for p in req.prompts])
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
     # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
     per = choice_params(req.gen.sampling, req.gen.n)
@@ -401,11 +452,10 @@ class _ChatChoice:
 
 async def chat_completions(st: ServerState, request: Request) -> Response:
     t0 = now()
-    req = parse_chat(await _read_json(request, st.max_body_bytes), st.defaults)
+    req = await _read_json(st, request, lambda body: parse_chat(body, st.defaults))
     _check_model(st, req.model)
     prompt = await _off_loop(request.state.body_bytes, _chat_prompt, st, req)
-    ids = await _off_loop(len(prompt.text), st.tokenizer.encode, prompt.text)
-    _check_length(st, len(ids), req.gen.sampling.max_tokens, "messages")
+    ids = await _off_loop(len(prompt.text), _prompt_ids, st, prompt.text, req.gen.sampling.max_tokens, "messages")
     n = req.gen.n
     group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages")
     choices = [_ChatChoice(prompt.parser(req.parallel_tool_calls)) for _ in range(n)]

@@ -10,7 +10,7 @@ import anyio
 from starlette.responses import StreamingResponse
 
 from .async_engine import EngineStepError
-from .protocol import internal
+from .protocol import engine_error, internal
 
 log = logging.getLogger("openinfer.server")
 
@@ -24,7 +24,7 @@ def event(obj: Any) -> str:
 def error_event(e: Exception) -> str:
     """An error after the SSE headers went out is reported in-band rather than cutting the stream."""
     if isinstance(e, EngineStepError):
-        return event(internal(str(e)).body())
+        return event(engine_error(e).body())
     log.exception("stream failed")
     return event(internal(f"internal error: {type(e).__name__}").body())
 
