@@ -66,6 +66,7 @@ class ScriptedEngine:
         self.tokenizer = Tokenizer.from_model_dir("/nonexistent")  # the bundled Qwen3 files
         self.model_config = SimpleNamespace(vocab_size=151936)
         self.config = SimpleNamespace(max_model_len=4096)
+        self.scheduler = SimpleNamespace(max_waiting=1024)  # the waiting bound the server reads
         self.chars = chars
         self.prompts: list[str] = []
         self.reqs: dict[str, list] = {}
