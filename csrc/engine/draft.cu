@@ -30,10 +30,19 @@ void Engine::set_drafter(const DrafterDims& dd) {
     OI_CHECK(l >= 0 && l < d_.layers && st->ctx_slot[l] < 0, "drafter: tap layer " << l << " out of range or repeated");
     st->ctx_slot[l] = (int)i;
   }
-  const int64_t H = d_.hidden, V = d_.vocab, taps = (int64_t)dd.taps.size();
+  const int64_t H = d_.hidden, I = d_.intermediate, D = d_.head_dim, V = d_.vocab, taps = (int64_t)dd.taps.size();
   auto wt = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &weight_bytes_)); };
   st->w.layers.resize(dd.layers);
-  for (auto& L : st->w.layers) allocate_layer(L);
+  for (auto& L : st->w.layers) {
+    L.input_norm = wt(H);
+    L.post_norm = wt(H);
+    L.q_norm = wt(D);
+    L.k_norm = wt(D);
+    L.qkv = wt((int64_t)d_.qkv_rows() * H);
+    L.o = wt(H * d_.heads * D);
+    L.gate_up = wt(2 * I * H);
+    L.down = wt(H * I);
+  }
   st->w.fc = wt(H * taps * H);
   st->w.hidden_norm = wt(H);
   st->w.norm = wt(H);

@@ -116,7 +116,6 @@ class Engine {
 
   // weights.cu
   void allocate_weights();
-  void allocate_layer(LayerWeights& L);
   void* alloc(size_t bytes, int64_t* counter);
   void upload(void* dst, const void* src, size_t bytes);
   void release_upload_stages();

@@ -10,27 +10,22 @@
 namespace oi {
 
 void Engine::allocate_weights() {
-  const int64_t H = d_.hidden, V = d_.vocab;
+  const int64_t H = d_.hidden, I = d_.intermediate, V = d_.vocab;
   auto wt = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &weight_bytes_)); };
   w_.embed = wt(V * H);
   w_.lm_head = d_.tied ? w_.embed : wt(V * H);
   w_.final_norm = wt(H);
   w_.layers.resize(d_.layers);
-  for (auto& L : w_.layers) allocate_layer(L);
-}
-
-// One decoder layer's slots (the target's and the drafter's layers share the geometry).
-void Engine::allocate_layer(LayerWeights& L) {
-  const int64_t H = d_.hidden, I = d_.intermediate;
-  auto wt = [&](int64_t n) { return static_cast<bf16*>(alloc(n * sizeof(bf16), &weight_bytes_)); };
-  L.input_norm = wt(H);
-  L.post_norm = wt(H);
-  L.q_norm = wt(d_.head_dim);
-  L.k_norm = wt(d_.head_dim);
-  L.qkv = wt((int64_t)d_.qkv_rows() * H);
-  L.o = wt(H * d_.heads * d_.head_dim);
-  L.gate_up = wt(2 * I * H);
-  L.down = wt(H * I);
+  for (auto& L : w_.layers) {
+    L.input_norm = wt(H);
+    L.post_norm = wt(H);
+    L.q_norm = wt(d_.head_dim);
+    L.k_norm = wt(d_.head_dim);
+    L.qkv = wt((int64_t)d_.qkv_rows() * H);
+    L.o = wt(H * d_.heads * d_.head_dim);
+    L.gate_up = wt(2 * I * H);
+    L.down = wt(H * I);
+  }
 }
 
 void* Engine::alloc(size_t bytes, int64_t* counter) {
