@@ -179,6 +179,27 @@ def test_paged_drafter_equals_a_dense_one(tiny_dir, drafter_dir):
     assert out.drafts.shape == (1, dc.num_drafts) and out.drafts[0].tolist() == want
 
 
+def test_a_draft_block_past_the_table_is_refused(tiny_dir, drafter_dir):
+    """The CUDA drafter writes its block's K/V at the block_size positions after a drafting step's context,
+    so its block table must cover them (plan.cu); the NumPy backend refuses a shorter table alike."""
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=32, draft_model_path=str(drafter_dir)))
+    n = 33 - eng.config.drafter_config.block_size  # the draft block ends one position into a third block
+
+    def step(table, draft=True):
+        table, pos = np.array(table, np.int32), np.arange(n, dtype=np.int32)
+        return eng.backend.step(StepInput(
+            input_ids=np.arange(1000, 1000 + n, dtype=np.int32), positions=pos,
+            query_start_loc=np.array([0, n], np.int32), context_lens=np.array([n], np.int32), block_tables=table,
+            slot_mapping=(table[0, pos // 16] * 16 + pos % 16).astype(np.int32), sample_idx=np.array([n - 1], np.int32),
+            temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
+            seeds=np.zeros(1, np.uint64), draft=np.array([int(draft)], np.int32)))
+    for short in ([[3, 7]], [[3, 7, 0]]):  # too narrow; the padding block
+        with pytest.raises(ValueError, match="does not cover its draft block"):
+            step(short)
+    assert (step([[3, 7, 1]]).drafts >= 0).all()
+    step([[3, 7]], draft=False)  # a step that does not draft needs blocks for its own tokens only
+
+
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_speculation_with_the_drafter_is_lossless(tiny_dir, drafter_dir, temperature):
     rng = np.random.default_rng(2)

@@ -133,6 +133,12 @@ class ReferenceBackend:
                 raise ValueError(f"step: {name} block out of range")
         if s.draft is not None and (len(s.draft) != B or (np.asarray(s.draft) != 0).any() and self.drafter is None):
             raise ValueError("step: draft needs a drafter and one entry per sequence")
+        if s.draft is not None:  # the CUDA drafter writes its block's K/V at positions up to p + block_size - 1
+            for b in np.flatnonzero(np.asarray(s.draft)):
+                end = int(s.context_lens[b]) + self.drafter.cfg.block_size  # positions [0, end) need blocks
+                blocks = bt[b, :-(-end // self.block_size)]
+                if end > bt.shape[1] * self.block_size or (blocks < 1).any() or (blocks >= self.num_kv_blocks).any():
+                    raise ValueError(f"step: draft: sequence {b}'s block table does not cover its draft block")
         if s.verify:
             seq = np.searchsorted(qsl, s.sample_idx, side="right") - 1
             if (np.diff(s.sample_idx) < 1).any() or ((np.diff(seq) == 0) & (np.diff(s.sample_idx) != 1)).any():
