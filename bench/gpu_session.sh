@@ -100,9 +100,9 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
              --prefill-len 64 --options "$OPTIONS" --out "$OUT/options_ab.json" | grep -v prefill ;;
     spec) D4=$(need_drafter dspark-qwen3-4b),$(need_drafter dflash-qwen3-4b)
           python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --draft-model-path "$D4" ${SPEC_ARGS:-} \
-            --out "$OUT/spec_rounds_4b.json" 2>>"$OUT/spec.log" | tail -22
+            --out "$OUT/spec_rounds_4b.json" 2>>"$OUT/spec.log" | sed -n '/^round costs/,$p'
           python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1-8 --num-drafts 7 \
-            --out "$OUT/spec_serve_4b.json" 2>>"$OUT/spec.log" | tail -30
+            --out "$OUT/spec_serve_4b.json" 2>>"$OUT/spec.log" | sed -n '/^TPOT and output/,$p'
           python3 bench/spec_bench.py project --rounds-json "$OUT/spec_rounds_4b.json" --out "$OUT/spec_project_4b.json" |
             grep -E "PROJECTION|goal| gpu +1 "
           python3 bench/spec_bench.py rounds --preset qwen3-8b --context 1024 \
