@@ -18,7 +18,9 @@
 # hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments), spec
 # (bench/spec_bench.py: 4B round costs with random DSpark-7 and DFlash-16 drafters, TPOT at controlled
 # acceptance tau 1..8 at concurrency 1/4/8, the projection at DSpark-4B's published tau; 8B round costs;
-# SPEC_ARGS are extra arguments to the rounds runs; 4 JSON files).
+# SPEC_ARGS are extra arguments to the rounds runs; 4 JSON files), soak (bench/soak.py: SOAK_MINUTES, default 8, of
+# mixed traffic at SOAK_RATE req/s on the 4B, then soak.json, soak.svg and the server's log; 8 minutes leave
+# a call little room for other stages).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -110,6 +112,15 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
             2>>"$OUT/spec.log" | tail -12 ;;
     footprint) need_4b && python3 bench/footprint.py "$CKPT4B" --server-cmd "python3 -m openinfer.cli" \
                  --json "$OUT/footprint.json" | tail -3 ;;
+    # SOAK_RATE 32: 80% of the measured 4B saturation at 1024 in / 128 out (~40 req/s). The soak's mix is
+    # lighter per request (prompts <= 512 tokens, 3% of 4-6k, <= 128 out), so 32 sits below 80% of its
+    # own saturation: load enough to keep batches full without a growing queue. max_model_len 8192 keeps
+    # the long prompts at 4-6k tokens (at 40960 they would be 20-30k, about one a second: over half the
+    # prefill the 4B did at saturation, 40 x 1024 tokens a second). At 80% of this mix's own saturation:
+    # measure it, set SOAK_RATE.
+    soak) need_4b && python3 bench/soak.py --serve-args "--model-path $CKPT4B --max-model-len 8192 --log-level warning" \
+            --minutes ${SOAK_MINUTES:-8} --rate ${SOAK_RATE:-32} --out "$OUT/soak.json" | tail -7
+          python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
