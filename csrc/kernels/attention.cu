@@ -436,16 +436,19 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     }
   }
   if (direct) return;
+  // Without clusters the partials are merged by merge_splits_kernel, launched next: the last block to
+  // finish merging them all itself was one small block's latency-bound loop over every split of 16-64
+  // rows (51 us of a 4B verify step's layer at 1k context, 190 us for a 16-token chunk at 16k).
+  if constexpr (!CLU) return;
 
-  // The last block of this (item, KV head) to finish merges the partials (one per split, or per cluster):
-  // no second kernel. The sum runs in partial order whichever block is last, so results do not depend
-  // on timing.
+  // Clusters: the last block of this (item, KV head) to finish merges the clusters' partials (decode
+  // rows: few). The sum runs in partial order whichever block is last, so results do not depend on timing.
   __threadfence();
   __syncthreads();
   if (tid == 0) {
     int* cnt = a.counters + blockIdx.x * gridDim.y + kvh;
     const int prev = atomicAdd(cnt, 1);
-    s_last = prev == (CLU ? parts * C : used) - 1;
+    s_last = prev == parts * C - 1;
     if (s_last) *cnt = 0;  // ready for the next launch
   }
   __syncthreads();
@@ -455,7 +458,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   // now), then each thread merges 4 dims of up to 4 rows with all their loads in flight together.
   float* s_w = reinterpret_cast<float*>(smem_raw);  // [rows][used] weights, then [rows] 1/sum
   float* s_inv = s_w + kAttnMaxRowsPerBlock * kAttnMaxSplits;
-  const int S = CLU ? parts : used;
+  const int S = parts;
   for (int i = tid; i < rows * S; i += kThreads) s_w[i] = __ldcg(a.ws_lse + (i % S) * split_stride + row_index(i / S));
   __syncthreads();
   for (int r = warp; r < rows; r += NW) {  // lse -> weights, per row
@@ -511,6 +514,67 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       *reinterpret_cast<uint2*>(a.out + row_index(r0 + q) * kD + d) = packed;
     }
   }
+}
+
+// The workspace merge of a launch without clusters: one warp per query row (8 per block), 4 dims per
+// lane, the splits' weights from their log-sum-exps, summed in split order (as the cluster path's merge:
+// results do not depend on timing). Rows of items that used one split were written directly.
+__global__ void __launch_bounds__(256) merge_splits_kernel(AttnArgs a) {
+  const AttnWork w = a.work[blockIdx.x];
+  const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = a.num_heads / a.kv.num_kv_heads, r = blockIdx.z * 8 + warp;
+  if (r >= w.num_tok * group) return;
+  const int ctx = a.context_lens[w.seq];
+  const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;
+  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
+  const int used = min(a.num_splits, (kv_end + chunk - 1) / chunk);  // as the attention kernel counts them
+  if (used <= 1) return;
+  const int64_t row = (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group;
+  const int64_t split_stride = (int64_t)a.num_tokens * a.num_heads;
+  __shared__ float s_w[8][kAttnMaxSplits];
+  float mx = kNegInf;
+  for (int sp = lane; sp < used; sp += 32) {
+    const float lse = __ldcg(a.ws_lse + sp * split_stride + row);
+    s_w[warp][sp] = lse;
+    mx = fmaxf(mx, lse);
+  }
+  mx = warp_max(mx);
+  float den = 0.f;
+  for (int sp = lane; sp < used; sp += 32) {
+    const float lse = s_w[warp][sp];
+    const float wgt = lse == kNegInf ? 0.f : exp2f(lse - mx);
+    s_w[warp][sp] = wgt;
+    den += wgt;
+  }
+  den = warp_sum(den);
+  __syncwarp();
+  const int d = lane * 4;
+  float acc[4] = {};
+  constexpr int kU = 16;  // splits per round: all their loads in flight together
+  for (int sp0 = 0; sp0 < used; sp0 += kU) {
+    float4 v[kU];
+    float wg[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int sp = sp0 + u;
+      wg[u] = sp < used ? s_w[warp][sp] : 0.f;
+      v[u] = wg[u] != 0.f  // empty splits wrote nothing: skip the read
+                 ? __ldcg(reinterpret_cast<const float4*>(a.ws_o + (sp * split_stride + row) * kD + d))
+                 : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      acc[0] += wg[u] * v[u].x;
+      acc[1] += wg[u] * v[u].y;
+      acc[2] += wg[u] * v[u].z;
+      acc[3] += wg[u] * v[u].w;
+    }
+  }
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  uint2 packed;
+  packed.x = pack_bf16(acc[0] * inv, acc[1] * inv);
+  packed.y = pack_bf16(acc[2] * inv, acc[3] * inv);
+  *reinterpret_cast<uint2*>(a.out + row * kD + d) = packed;
 }
 
 cudaLaunchAttribute cluster_attr(int cluster) {
@@ -658,12 +722,13 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
                                           l.early, s);
   } else if (a.max_rows <= 16 && l.cluster > 1) {
     launch<1, 16, true>(a, grid, l.cluster, scale_log2, l.early, s);
-  } else if (a.max_rows <= 16) {
-    launch<1, 16, false>(a, grid, 1, scale_log2, l.early, s);
-  } else if (a.max_rows <= 32) {
-    launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
   } else {
-    launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
+    if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, l.early, s);
+    else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
+    else launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
+    if (a.num_splits > 1)  // after the whole grid (no early launch): every split's partial is in the workspace
+      OI_CUDA_CHECK(launch_kernel(false, merge_splits_kernel, dim3(a.num_work, a.kv.num_kv_heads, (a.max_rows + 7) / 8),
+                                  dim3(256), 0, s, nullptr, a));
   }
 }
 

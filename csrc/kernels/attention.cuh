@@ -2,8 +2,9 @@
 // A work item is (sequence, first token, token count); a block serves one item, one KV head and one
 // split of the key range, with every query head of that KV head's group, so each K/V tile is read
 // once per group. Long contexts are split across blocks (flash-decoding): decode splits merge inside
-// thread-block clusters through distributed shared memory; between clusters, and for prefill splits,
-// the last block to finish merges the partials from a global workspace.
+// thread-block clusters through distributed shared memory, and between clusters the last block to
+// finish merges the partials from a global workspace; launches without clusters (prefill chunks,
+// verify steps) write theirs to the workspace for a merge kernel.
 #pragma once
 #include "../common.h"
 #include "rope_kv.cuh"
@@ -41,7 +42,7 @@ struct AttnArgs {
   bf16* out;                    // [T, num_heads * 128]
   float* ws_o;                  // [num_splits, T, num_heads, 128]
   float* ws_lse;                // [num_splits, T, num_heads]
-  int* counters;                // [num_work * num_kv_heads], zero; splits > 1 only (left zero after)
+  int* counters;                // [num_work * num_kv_heads], zero; cluster splits > 1 only (left zero after)
   // Decode steps only (every item one token, max_rows == group <= 16): q/k RMSNorm + RoPE and the K/V
   // write happen here instead of in qk_norm_rope_kv_write, a kernel fewer per layer; `q` then points at
   // the raw qkv rows ([T, (heads + 2 kv_heads) * 128]) and the new K/V are made from there.
