@@ -17,8 +17,6 @@ import soak_plot  # noqa: E402
 
 
 def test_a_short_soak_on_the_cpu_backend_passes(cli_env, tiny_dir, tmp_path):
-    # a KV pool small enough that the warm-up touches all of it: the CPU backend's pool is np.zeros,
-    # whose pages count in RSS only once written (256 blocks grew RSS 6% after a 5 s warm-up)
     out = tmp_path / "soak.json"
     r = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "soak.py"), "--serve-args",

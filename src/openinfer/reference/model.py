@@ -34,7 +34,9 @@ class ReferenceBackend:
         self.lm_head = self.w.get("lm_head.weight", self.embed) if not c.tie_word_embeddings else self.embed
         # one block = every layer's K and V for block_size tokens (docs/architecture.md)
         shape = (c.num_hidden_layers, 2, c.num_key_value_heads, block_size, c.head_dim)
-        self.kv_cache = np.zeros((num_blocks, *shape), dtype=F32)
+        # Written through once here: np.zeros' pages count in RSS only when first written, and a pool that
+        # fills up over a server's first minutes reads as a leak (the GPU pool, too, is all allocated at start).
+        self.kv_cache = np.full((num_blocks, *shape), 0.0, dtype=F32)
         self.host_kv = np.zeros((num_host_blocks, *shape), dtype=F32)
         self._pending: deque[StepOutput] = deque()
         self._last: StepOutput | None = None
