@@ -416,7 +416,7 @@ class Scheduler:
                 for slot, bid in r.blocks:
                     if alive:  # the bytes are on the device now: GPU prefix hits may share them
                         h, _, toks = self.tier.entry(slot)
-                        prev = self.bm.seal(bid, prev, toks)
+                        prev = self.bm.seal(bid, prev, toks, h)  # the slot's hash is this chain's: no rehash
                     self.tier.unpin(slot)
                     self.bm.release([bid])
                 r.seq.restoring = False
