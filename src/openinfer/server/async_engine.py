@@ -78,13 +78,17 @@ class _Sub:
     """One engine request belonging to a group (one choice of an HTTP request)."""
     group: "RequestGroup"
     index: int
+    trace: Any = None  # the group's PathTrace until this request's first update is posted
+    accepted: int = 0  # perf_counter_ns when the engine thread had added it
+    seq: Any = None  # the scheduler's Sequence (its admission time)
 
 
 class RequestGroup:
     """The engine requests of one HTTP request, all reporting into one asyncio queue."""
 
-    def __init__(self, engine: "AsyncEngine", prefix: str):
+    def __init__(self, engine: "AsyncEngine", prefix: str, trace=None):
         self._engine = engine
+        self.trace = trace  # a server.metrics.PathTrace, or None
         self._loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -107,6 +111,8 @@ class RequestGroup:
         aborts whatever was admitted."""
         per = params if isinstance(params, list) else [params] * len(prompts)
         futs = []
+        if self.trace is not None:  # before the first put: the engine thread may take it at once
+            self.trace.queued = time.perf_counter_ns()
         for index, (prompt_token_ids, params) in enumerate(zip(prompts, per)):
             rid = f"{self._prefix}-{index}"
             fut = self._loop.create_future()
@@ -114,7 +120,7 @@ class RequestGroup:
             # each unread one (a refused 64-prompt request logged 63)
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
-            self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
+            self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index, self.trace), fut, self._loop))
             futs.append(fut)
         pending = set(futs)
         while pending:
@@ -212,12 +218,12 @@ class AsyncEngine:
     def retry_after(self) -> int:
         return self.drain.retry_after(self.stats.get("num_waiting", 0))
 
-    def new_group(self) -> RequestGroup:
+    def new_group(self, trace=None) -> RequestGroup:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         if self._refusing:
             raise EngineDeadError(self._refusing)
-        return RequestGroup(self, f"req-{next(self._ids)}")
+        return RequestGroup(self, f"req-{next(self._ids)}", trace)
 
     def end_all(self, reason: str) -> None:
         """Thread-safe: ends every request in flight with ShuttingDown(reason) (streams get a last error
@@ -243,10 +249,11 @@ class AsyncEngine:
         if kind == "add":
             _, rid, ids, params, sub, fut, loop = msg
             try:
-                self.engine.add_request(rid, ids, params)
+                sub.seq = self.engine.add_request(rid, ids, params)
             except Exception as e:  # admission refused (or bad input): report to the waiter only
                 _settle_from_thread(loop, fut, e)
                 return
+            sub.accepted = time.perf_counter_ns()  # in the scheduler's waiting queue now
             self._subs[rid] = sub
             _settle_from_thread(loop, fut, None)
         elif kind == "end":
@@ -282,16 +289,21 @@ class AsyncEngine:
                 log.exception("abort_request(%s) after a failed step failed", rid)
         self._subs.clear()
 
-    def _post_updates(self, updates: list) -> None:
+    def _post_updates(self, updates: list, step) -> None:
+        """`step`: the ScheduledBatch the updates came from (its times go to the path traces)."""
         # One wake-up of the event loop per step, not one per update: each wake is a syscall during
         # which the event loop may take the GIL from this thread.
         batches: dict = {}
+        posted = time.perf_counter_ns()
         for u in updates:
             sub = self._subs.get(u.request_id)
             if sub is None:
                 continue  # aborted meanwhile
             if u.finished:
                 del self._subs[u.request_id]
+            if sub.trace is not None:  # this request's first update: the engine's side of its trace
+                _trace_engine(sub, step, posted)
+                sub.trace = None
             batches.setdefault(sub.group._loop, []).append((sub.group.queue, (sub.index, u)))
         for loop, items in batches.items():
             try:
@@ -304,11 +316,12 @@ class AsyncEngine:
         # waking the event loop makes it take the GIL for the SSE writes, and done while the engine
         # thread still schedules, that work lands between two GPU steps instead of under one.
         pending: list = []
+        pending_step = None  # the step they came from
 
         def flush() -> None:
             nonlocal pending
             updates, pending = pending, []
-            self._post_updates(updates)
+            self._post_updates(updates, pending_step)
 
         try:
             while not self._stop.is_set():
@@ -331,7 +344,7 @@ class AsyncEngine:
                     self._refresh_stats()
                     continue
                 flush()  # no-op unless the step launched nothing and collected nothing
-                pending = updates
+                pending, pending_step = updates, self.engine.collected
                 self.step_count += 1
                 self.busy_seconds += time.perf_counter() - t_iter
                 if time.perf_counter() - self._stats_at >= self.STATS_PERIOD_S:  # idle refreshes always
@@ -390,6 +403,15 @@ class AsyncEngine:
                 return
             if msg[0] == "add":
                 _settle_from_thread(msg[6], msg[5], EngineDeadError("the engine loop is not running"))
+
+
+def _trace_engine(sub: _Sub, step, posted: int) -> None:
+    """The engine's boundaries of the group's trace, from the first of its requests to yield an update."""
+    tr = sub.trace
+    if tr.launched or step is None or sub.seq is None:  # another choice came first; or an engine without times
+        return
+    tr.accepted, tr.admitted = sub.accepted, sub.seq.t_admitted
+    tr.launched, tr.collected, tr.processed, tr.posted = step.t_launched, step.t_collected, step.t_processed, posted
 
 
 def _deliver(items: list) -> None:
