@@ -8,7 +8,7 @@ server's path trace (/metrics `openinfer_request_path_seconds{phase, endpoint, s
     python3 bench/path_bench.py --url http://127.0.0.1:8000 --out path.json
     STAGES=path bash bench/gpu_session.sh                         # the 4B on the GPU
 
-Kinds: /v1/completions and /v1/chat/completions, streamed and not, max_tokens 1 and --few; each sends
+Kinds: /v1/completions and /v1/chat/completions, streamed and not, at each --max-tokens; each sends
 --warmup requests, then --requests more between two scrapes of /metrics, whose difference gives the
 kind's phases: p50 / p90 interpolated in the histogram's buckets (as Prometheus' histogram_quantile),
 means exact (sum / count). The client is a raw keep-alive HTTP/1.1 socket, so its own cost in the
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default: a tiny random checkpoint on the CPU backend)")
     p.add_argument("--requests", type=int, default=100, help="measured requests per kind (default 100)")
     p.add_argument("--warmup", type=int, default=10, help="requests per kind before the measured ones (default 10)")
-    p.add_argument("--few", type=int, default=8, help="the second max_tokens (default 8)")
+    p.add_argument("--max-tokens", default="1,8", help="max_tokens of the kinds, comma-separated (default 1,8)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, help="the JSON (default: none)")
     a = p.parse_args(argv)
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         kinds = []
         for endpoint in ("completions", "chat_completions"):
             for stream in (False, True):
-                for mt in (1, a.few):
+                for mt in map(int, a.max_tokens.split(",")):
                     kinds.append(run_kind(c, url, model, endpoint, stream, mt, a))
                     print(f"  {endpoint} stream={stream} max_tokens={mt}: TTFT p50 "
                           f"{kinds[-1]['client']['ttft']['p50_us']:.0f} us", file=sys.stderr, flush=True)
@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     doc = {"config": {"url": a.url, "serve_args": a.serve_args, "requests": a.requests, "warmup": a.warmup,
-                      "few": a.few, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
+                      "max_tokens": a.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
            "kinds": kinds}
     print(table(kinds))
     if a.out:

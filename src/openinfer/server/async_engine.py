@@ -155,8 +155,11 @@ class RequestGroup:
 
     def close(self) -> None:
         """Aborts whatever has not finished (client gone, error, cancellation). Idempotent."""
-        for rid in self.request_ids:
-            self._engine._submit(("abort", rid))
+        for index, rid in enumerate(self.request_ids):
+            # finished (its last update read) or aborted already: the engine has let it go, and an abort
+            # would wake the engine thread for nothing (and refresh its stats) as the response is written
+            if index not in self._finished and index not in self._dropped:
+                self._engine._submit(("abort", rid))
         self.request_ids = []
 
 
@@ -327,9 +330,9 @@ class AsyncEngine:
             while not self._stop.is_set():
                 t_iter = time.perf_counter()
                 busy = self.engine.has_unfinished()
-                if not busy:  # publish everything before waiting for work
+                if not busy:  # publish everything before waiting for work; the stats first, so that the
+                    self._refresh_stats()  # event loop, woken by the flush, does not wait on them for the GIL
                     flush()
-                    self._refresh_stats()
                 if self._drain(block=not busy):
                     self._refresh_stats()
                 if not self.engine.has_unfinished():
