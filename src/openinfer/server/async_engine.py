@@ -3,8 +3,8 @@
 The engine is not thread-safe, so only the loop thread touches it: requests and aborts arrive on a
 thread-safe inbox, and updates go back to each request group's asyncio.Queue through one
 `loop.call_soon_threadsafe` per step. The backend's step releases the GIL, so the event loop keeps
-serving HTTP while a step runs; a step's updates are handed over from `engine.step(before_launch=...)`
-of the next step, right before that step's device work.
+serving HTTP while a step runs; a step's updates, and the news that requests were added, are handed over
+from `engine.step(before_launch=...)` of the next step, right before that step's device work.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, _Sub] = {}  # engine thread only
+        self._accepted: list = []  # (loop, future) of requests added, their waiters not told yet (engine thread)
         self._stop = threading.Event()
         self._idle_poll_s = idle_poll_s
         self._ids = itertools.count()
@@ -258,7 +259,9 @@ class AsyncEngine:
                 return
             sub.accepted = time.perf_counter_ns()  # in the scheduler's waiting queue now
             self._subs[rid] = sub
-            _settle_from_thread(loop, fut, None)
+            # told with the next hand-over, right before the step that admits it launches: told now, the
+            # event loop would wake and take the GIL while this thread schedules and packs that step
+            self._accepted.append((loop, fut))
         elif kind == "end":
             self._fail_all(ShuttingDown(msg[1]))
         elif kind == "abort":
@@ -296,7 +299,10 @@ class AsyncEngine:
         """`step`: the ScheduledBatch the updates came from (its times go to the path traces)."""
         # One wake-up of the event loop per step, not one per update: each wake is a syscall during
         # which the event loop may take the GIL from this thread.
-        batches: dict = {}
+        batches: dict = {}  # loop -> (queue items, admission futures)
+        for loop, fut in self._accepted:
+            batches.setdefault(loop, ([], []))[1].append(fut)
+        self._accepted = []
         posted = time.perf_counter_ns()
         for u in updates:
             sub = self._subs.get(u.request_id)
@@ -307,10 +313,10 @@ class AsyncEngine:
             if sub.trace is not None:  # this request's first update: the engine's side of its trace
                 _trace_engine(sub, step, posted)
                 sub.trace = None
-            batches.setdefault(sub.group._loop, []).append((sub.group.queue, (sub.index, u)))
-        for loop, items in batches.items():
+            batches.setdefault(sub.group._loop, ([], []))[0].append((sub.group.queue, (sub.index, u)))
+        for loop, (items, futs) in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(_deliver, items, futs)
             except RuntimeError:  # event loop closed: the server is shutting down
                 pass
 
@@ -417,7 +423,9 @@ def _trace_engine(sub: _Sub, step, posted: int) -> None:
     tr.launched, tr.collected, tr.processed, tr.posted = step.t_launched, step.t_collected, step.t_processed, posted
 
 
-def _deliver(items: list) -> None:
+def _deliver(items: list, admitted: list) -> None:
+    for fut in admitted:
+        _settle(fut, None)
     for q, item in items:
         q.put_nowait(item)
 
