@@ -20,8 +20,9 @@ whole body) is a few microseconds of Python.
                     `decode`, the steps after it);
   unaccounted     = client TTFT - every phase: the kernel's loopback both ways, uvicorn's reading and
                     parsing of the headers before the app runs, and the client.
-The engine's own step figures (openinfer_step_wall_seconds_total / openinfer_engine_steps_total) are
-shown beside the trace's `step` as a check.
+The engine's own wall time per request (openinfer_step_wall_seconds_total over the same requests, every
+engine.step() call: the step plus its scheduling and postprocessing) is shown beside the trace's `step`
+as a check.
 """
 from __future__ import annotations
 
@@ -111,8 +112,15 @@ class Client:
             t = self._recv()
 
 
+_HTTP = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the server is local: no proxy
+
+
+def get(url: str):
+    return _HTTP.open(url, timeout=30)
+
+
 def scrape(url: str) -> str:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
+    with get(url + "/metrics") as r:
         return r.read().decode()
 
 
@@ -241,7 +249,7 @@ def start_server(serve_args: str, log: Path, timeout: float) -> tuple[subprocess
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         try:
-            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+            with _HTTP.open(url + "/health", timeout=2) as r:
                 if r.status == 200:
                     return proc, url
         except OSError:
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(serve_args, log, a.start_timeout)
     url = url.rstrip("/")
     try:
-        with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
+        with get(url + "/v1/models") as r:
             model = json.load(r)["data"][0]["id"]
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         c = Client(host.strip("[]"), int(port))
