@@ -20,7 +20,9 @@
 # acceptance tau 1..8 at concurrency 1/4/8, the projection at DSpark-4B's published tau; 8B round costs;
 # SPEC_ARGS are extra arguments to the rounds runs; 4 JSON files), soak (bench/soak.py: SOAK_MINUTES, default 8, of
 # mixed traffic at SOAK_RATE req/s on the 4B, then soak.json, soak.svg and the server's log; 8 minutes leave
-# a call little room for other stages).
+# a call little room for other stages), path (bench/path_bench.py: where a lone request's microseconds go
+# around its step on the 4B, per phase from the server's trace, beside the client's TTFT; path.json and the
+# server's log, ~2 min).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -121,6 +123,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     soak) need_4b && python3 bench/soak.py --serve-args "--model-path $CKPT4B --max-model-len 8192 --log-level warning" \
             --minutes ${SOAK_MINUTES:-8} --rate ${SOAK_RATE:-32} --out "$OUT/soak.json" | tail -7
           python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
+    path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
+            --out "$OUT/path.json" | tail -26 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -67,6 +67,7 @@ class ScriptedEngine:
         self.model_config = SimpleNamespace(vocab_size=151936)
         self.config = SimpleNamespace(max_model_len=4096)
         self.scheduler = SimpleNamespace(max_waiting=1024)  # the waiting bound the server reads
+        self.collected = None  # no step times: the server's path traces stay incomplete, unobserved
         self.chars = chars
         self.prompts: list[str] = []
         self.reqs: dict[str, list] = {}

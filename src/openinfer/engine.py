@@ -16,7 +16,7 @@ from .host_tier import HostTier
 from .config import EngineConfig, step_fault
 from .runner import Runner
 from .sampling_params import SamplingParams, default_params
-from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, Scheduler
+from .scheduler import Logprob, QueueFull, RequestRejected, RequestUpdate, ScheduledBatch, Scheduler, Sequence
 from .tokenizer import Tokenizer
 
 log = logging.getLogger("openinfer")
@@ -56,6 +56,7 @@ class LLMEngine:
         # A verify step's inputs are the drafts proposed after the step before it: no overlap while speculating.
         self._overlap = config.overlap_steps and drafter is None
         self._inflight = None  # the step launched and not yet collected (overlapped steps)
+        self.collected: ScheduledBatch | None = None  # the step whose updates the last step() returned (its times)
         self._launches = 0  # the backend numbers launches 1, 2, ... (copy_progress() speaks of them)
         self._tier_logged, self._tier_key = 0.0, None
         self._closed = False
@@ -95,8 +96,9 @@ class LLMEngine:
             self.scheduler.abort(rid)
         self.backend.close()
 
-    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> None:
-        """Queues a request; raises RequestRejected (can never run) or QueueFull (try later)."""
+    def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams | None = None) -> Sequence:
+        """Queues a request; raises RequestRejected (can never run) or QueueFull (try later). Returns the
+        scheduler's state of it (read-only: the server's path trace reads its admission time)."""
         if self._closed:
             raise RuntimeError("this openinfer engine is closed")
         params = params or SamplingParams()
@@ -106,7 +108,7 @@ class LLMEngine:
             bad = next(t for t in ids if not 0 <= t < V)
             raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {V})")
         seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2**63))
-        self.scheduler.add_request(request_id, ids, params, seed)
+        return self.scheduler.add_request(request_id, ids, params, seed)
 
     def abort_request(self, request_id: str) -> bool:
         return self.scheduler.abort(request_id)
@@ -161,10 +163,10 @@ class LLMEngine:
             if not self._overlap:
                 t0 = time.perf_counter()
                 self._launch(batch, before_launch)
-                out = self._collect()
+                out = self._collect(batch)
                 if any(it.drafts for it in batch.items):  # a verify step (its drafting included, when in the backend)
                     self._timing["verify_s"] += time.perf_counter() - t0
-                return sched.postprocess(batch, out), True
+                return self._postprocess(batch, out), True
             self._launch(batch, before_launch)
             self._inflight = batch
             return [], False
@@ -176,12 +178,19 @@ class LLMEngine:
             self._inflight = None
             if before_launch is not None:
                 before_launch()  # nothing launched: hand over the held updates before waiting on the GPU
-        return sched.postprocess(prev, self._collect()), True
+        return self._postprocess(prev, self._collect(prev)), True
 
-    def _collect(self):
+    def _collect(self, batch: ScheduledBatch):
         out = self.runner.collect()
+        batch.t_collected = time.perf_counter_ns()  # its tokens are on the host: the device's part is over
         self._timing["draft_s"] += out.draft_ms / 1e3
         return out
+
+    def _postprocess(self, batch: ScheduledBatch, out) -> list[RequestUpdate]:
+        updates = self.scheduler.postprocess(batch, out)
+        batch.t_processed = time.perf_counter_ns()  # every update of the step made, text detokenized
+        self.collected = batch
+        return updates
 
     def _launch(self, batch, before_launch) -> None:
         try:

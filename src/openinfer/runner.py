@@ -2,6 +2,7 @@
 nothing: what runs, which blocks and which copies come from the scheduler."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -69,6 +70,8 @@ class Runner:
         step = pack(batch, self.block_size)
         if before_launch is not None:
             before_launch()
+        # after packing and the hand-over of the last step's updates: the backend call alone from here
+        batch.t_launched = time.perf_counter_ns()
         self.backend.launch(step)
 
     def collect(self) -> StepOutput:

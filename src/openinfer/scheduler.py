@@ -13,6 +13,7 @@ the copy has landed. A block a copy reads or fills is held (an extra reference) 
 from __future__ import annotations
 
 import enum
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -93,6 +94,7 @@ class Sequence:
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.restoring = False  # host-tier blocks on their way in: no prefill until they land
+        self.t_admitted = 0  # perf_counter_ns when admitted (the server's path trace)
         self._chain: PrefixChain | None = None
 
     @property
@@ -144,6 +146,11 @@ class ScheduledBatch:
     kv_save: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[Restore] = field(default_factory=list)
     launch: int = 0  # the backend's number of the launch that carried it (set by the engine)
+    # perf_counter_ns at the backend call, when its output reached the host, after postprocess() (set by the
+    # runner and the engine; the server's path trace reads them for a request's first token)
+    t_launched: int = 0
+    t_collected: int = 0
+    t_processed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -340,6 +347,7 @@ class Scheduler:
             if slots:
                 self._restore(seq, slots, batch)
         seq.status = Status.RUNNING
+        seq.t_admitted = time.perf_counter_ns()  # it has its blocks and a place in this step
         self.running.append(seq)
         c = self._counters
         c["prefix_cache_queried_tokens"] += seq.num_prompt

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from typing import Any
 
 from starlette.applications import Starlette
@@ -14,7 +15,7 @@ from starlette.middleware import Middleware
 from ..chat import ChatTemplate
 from ..sampling_params import sampling_defaults
 from .async_engine import AsyncEngine
-from .metrics import Metrics
+from .metrics import ARRIVAL, Metrics
 from .routes import ServerState, http_error, routes
 
 log = logging.getLogger("openinfer.server")
@@ -22,14 +23,17 @@ log = logging.getLogger("openinfer.server")
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
-class _TrailingSlash:
-    """Serves '/v1/completions/' as '/v1/completions'. Starlette would answer 307 to the path without the
-    slash, and HTTP clients do not repeat a POST after a redirect by default."""
+class _Entry:
+    """What every request passes first. Its arrival stamp (the path trace's first boundary: the first of
+    our code it runs; uvicorn has parsed its headers, not read its body). And '/v1/completions/' served
+    as '/v1/completions': Starlette would answer 307 to the path without the slash, and HTTP clients do
+    not repeat a POST after a redirect by default."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
+        scope[ARRIVAL] = time.perf_counter_ns()
         path = scope.get("path", "")
         if scope["type"] == "http" and len(path) > 1 and path.endswith("/"):
             scope = dict(scope, path=path.rstrip("/") or "/")
@@ -63,7 +67,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
         finally:
             ae.shutdown()
 
-    app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(_TrailingSlash)],
+    app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(_Entry)],
                     exception_handlers={HTTPException: http_error})
     app.state.openinfer = st
     return app

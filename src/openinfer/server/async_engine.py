@@ -3,8 +3,8 @@
 The engine is not thread-safe, so only the loop thread touches it: requests and aborts arrive on a
 thread-safe inbox, and updates go back to each request group's asyncio.Queue through one
 `loop.call_soon_threadsafe` per step. The backend's step releases the GIL, so the event loop keeps
-serving HTTP while a step runs; a step's updates are handed over from `engine.step(before_launch=...)`
-of the next step, right before that step's device work.
+serving HTTP while a step runs; a step's updates, and the news that requests were added, are handed over
+from `engine.step(before_launch=...)` of the next step, right before that step's device work.
 """
 
 from __future__ import annotations
@@ -78,13 +78,17 @@ class _Sub:
     """One engine request belonging to a group (one choice of an HTTP request)."""
     group: "RequestGroup"
     index: int
+    trace: Any = None  # the group's PathTrace until this request's first update is posted
+    accepted: int = 0  # perf_counter_ns when the engine thread had added it
+    seq: Any = None  # the scheduler's Sequence (its admission time)
 
 
 class RequestGroup:
     """The engine requests of one HTTP request, all reporting into one asyncio queue."""
 
-    def __init__(self, engine: "AsyncEngine", prefix: str):
+    def __init__(self, engine: "AsyncEngine", prefix: str, trace=None):
         self._engine = engine
+        self.trace = trace  # a server.metrics.PathTrace, or None
         self._loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.request_ids: list[str] = []
@@ -107,6 +111,8 @@ class RequestGroup:
         aborts whatever was admitted."""
         per = params if isinstance(params, list) else [params] * len(prompts)
         futs = []
+        if self.trace is not None:  # before the first put: the engine thread may take it at once
+            self.trace.queued = time.perf_counter_ns()
         for index, (prompt_token_ids, params) in enumerate(zip(prompts, per)):
             rid = f"{self._prefix}-{index}"
             fut = self._loop.create_future()
@@ -114,7 +120,7 @@ class RequestGroup:
             # each unread one (a refused 64-prompt request logged 63)
             fut.add_done_callback(lambda f: f.cancelled() or f.exception())
             self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
-            self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index), fut, self._loop))
+            self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index, self.trace), fut, self._loop))
             futs.append(fut)
         pending = set(futs)
         while pending:
@@ -149,8 +155,11 @@ class RequestGroup:
 
     def close(self) -> None:
         """Aborts whatever has not finished (client gone, error, cancellation). Idempotent."""
-        for rid in self.request_ids:
-            self._engine._submit(("abort", rid))
+        for index, rid in enumerate(self.request_ids):
+            # finished (its last update read) or aborted already: the engine has let it go, and an abort
+            # would wake the engine thread for nothing (and refresh its stats) as the response is written
+            if index not in self._finished and index not in self._dropped:
+                self._engine._submit(("abort", rid))
         self.request_ids = []
 
 
@@ -167,6 +176,7 @@ class AsyncEngine:
         self.engine = engine
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, _Sub] = {}  # engine thread only
+        self._accepted: list = []  # (loop, future) of requests added, their waiters not told yet (engine thread)
         self._stop = threading.Event()
         self._idle_poll_s = idle_poll_s
         self._ids = itertools.count()
@@ -212,12 +222,12 @@ class AsyncEngine:
     def retry_after(self) -> int:
         return self.drain.retry_after(self.stats.get("num_waiting", 0))
 
-    def new_group(self) -> RequestGroup:
+    def new_group(self, trace=None) -> RequestGroup:
         if not self.alive:
             raise EngineDeadError("the engine loop is not running")
         if self._refusing:
             raise EngineDeadError(self._refusing)
-        return RequestGroup(self, f"req-{next(self._ids)}")
+        return RequestGroup(self, f"req-{next(self._ids)}", trace)
 
     def end_all(self, reason: str) -> None:
         """Thread-safe: ends every request in flight with ShuttingDown(reason) (streams get a last error
@@ -243,12 +253,15 @@ class AsyncEngine:
         if kind == "add":
             _, rid, ids, params, sub, fut, loop = msg
             try:
-                self.engine.add_request(rid, ids, params)
+                sub.seq = self.engine.add_request(rid, ids, params)
             except Exception as e:  # admission refused (or bad input): report to the waiter only
                 _settle_from_thread(loop, fut, e)
                 return
+            sub.accepted = time.perf_counter_ns()  # in the scheduler's waiting queue now
             self._subs[rid] = sub
-            _settle_from_thread(loop, fut, None)
+            # told with the next hand-over, right before the step that admits it launches: told now, the
+            # event loop would wake and take the GIL while this thread schedules and packs that step
+            self._accepted.append((loop, fut))
         elif kind == "end":
             self._fail_all(ShuttingDown(msg[1]))
         elif kind == "abort":
@@ -282,20 +295,28 @@ class AsyncEngine:
                 log.exception("abort_request(%s) after a failed step failed", rid)
         self._subs.clear()
 
-    def _post_updates(self, updates: list) -> None:
+    def _post_updates(self, updates: list, step) -> None:
+        """`step`: the ScheduledBatch the updates came from (its times go to the path traces)."""
         # One wake-up of the event loop per step, not one per update: each wake is a syscall during
         # which the event loop may take the GIL from this thread.
-        batches: dict = {}
+        batches: dict = {}  # loop -> (queue items, admission futures)
+        for loop, fut in self._accepted:
+            batches.setdefault(loop, ([], []))[1].append(fut)
+        self._accepted = []
+        posted = time.perf_counter_ns()
         for u in updates:
             sub = self._subs.get(u.request_id)
             if sub is None:
                 continue  # aborted meanwhile
             if u.finished:
                 del self._subs[u.request_id]
-            batches.setdefault(sub.group._loop, []).append((sub.group.queue, (sub.index, u)))
-        for loop, items in batches.items():
+            if sub.trace is not None:  # this request's first update: the engine's side of its trace
+                _trace_engine(sub, step, posted)
+                sub.trace = None
+            batches.setdefault(sub.group._loop, ([], []))[0].append((sub.group.queue, (sub.index, u)))
+        for loop, (items, futs) in batches.items():
             try:
-                loop.call_soon_threadsafe(_deliver, items)
+                loop.call_soon_threadsafe(_deliver, items, futs)
             except RuntimeError:  # event loop closed: the server is shutting down
                 pass
 
@@ -304,19 +325,20 @@ class AsyncEngine:
         # waking the event loop makes it take the GIL for the SSE writes, and done while the engine
         # thread still schedules, that work lands between two GPU steps instead of under one.
         pending: list = []
+        pending_step = None  # the step they came from
 
         def flush() -> None:
             nonlocal pending
             updates, pending = pending, []
-            self._post_updates(updates)
+            self._post_updates(updates, pending_step)
 
         try:
             while not self._stop.is_set():
                 t_iter = time.perf_counter()
                 busy = self.engine.has_unfinished()
-                if not busy:  # publish everything before waiting for work
+                if not busy:  # publish everything before waiting for work; the stats first, so that the
+                    self._refresh_stats()  # event loop, woken by the flush, does not wait on them for the GIL
                     flush()
-                    self._refresh_stats()
                 if self._drain(block=not busy):
                     self._refresh_stats()
                 if not self.engine.has_unfinished():
@@ -331,7 +353,7 @@ class AsyncEngine:
                     self._refresh_stats()
                     continue
                 flush()  # no-op unless the step launched nothing and collected nothing
-                pending = updates
+                pending, pending_step = updates, self.engine.collected
                 self.step_count += 1
                 self.busy_seconds += time.perf_counter() - t_iter
                 if time.perf_counter() - self._stats_at >= self.STATS_PERIOD_S:  # idle refreshes always
@@ -392,7 +414,18 @@ class AsyncEngine:
                 _settle_from_thread(msg[6], msg[5], EngineDeadError("the engine loop is not running"))
 
 
-def _deliver(items: list) -> None:
+def _trace_engine(sub: _Sub, step, posted: int) -> None:
+    """The engine's boundaries of the group's trace, from the first of its requests to yield an update."""
+    tr = sub.trace
+    if tr.launched or step is None or sub.seq is None:  # another choice came first; or an engine without times
+        return
+    tr.accepted, tr.admitted = sub.accepted, sub.seq.t_admitted
+    tr.launched, tr.collected, tr.processed, tr.posted = step.t_launched, step.t_collected, step.t_processed, posted
+
+
+def _deliver(items: list, admitted: list) -> None:
+    for fut in admitted:
+        _settle(fut, None)
     for q, item in items:
         q.put_nowait(item)
 

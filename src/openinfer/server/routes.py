@@ -12,6 +12,7 @@ import asyncio
 import hmac
 import logging
 import time
+from time import perf_counter_ns as ns
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,9 +29,9 @@ from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams, choice_params
 from ..tokenizer import TooManyTokens
 from ..version import build_info
-from .async_engine import AsyncEngine, EngineDeadError, EngineStepError, now
+from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
-from .metrics import CONTENT_TYPE, Metrics, RequestTimer
+from .metrics import ARRIVAL, CONTENT_TYPE, Metrics, PathTrace, RequestTimer
 from .protocol import APIError, bad, engine_error, internal, model_field, parse_chat, parse_completion
 from .sse import DONE, SSEResponse, error_event, event
 
@@ -65,7 +66,7 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body over {limit} bytes", code="request_too_large", headers=CLOSE)
 
 
-async def _read_json(st: ServerState, request: Request, parse=None) -> Any:
+async def _read_json(st: ServerState, request: Request, parse=None, trace: PathTrace | None = None) -> Any:
     """The body as JSON (then `parse(body)`), read under the size limit and the read timeout; a body
     over the limit or late is answered (413, 408) and the rest of it never read (Connection: close).
     Parsing a large body runs off the event loop."""
@@ -85,7 +86,12 @@ async def _read_json(st: ServerState, request: Request, parse=None) -> Any:
         raise APIError(408, f"the request body did not arrive within {st.body_read_timeout:g} s",
                        code="request_timeout", headers=CLOSE) from None
     request.state.body_bytes = size
-    return await _off_loop(size, _parse_json, b"".join(chunks), parse)
+    if trace is not None:  # the last of the body is in: what a slow client costs stays in `body`
+        trace.body = ns()
+    body = await _off_loop(size, _parse_json, b"".join(chunks), parse)
+    if trace is not None:  # JSON and the protocol's checks: a request now, not bytes
+        trace.parsed = ns()
+    return body
 
 
 def _parse_json(raw: bytes, parse) -> Any:
@@ -139,7 +145,8 @@ def _prompt_ids(st: ServerState, prompt: str | list[int], max_tokens: int | None
     return ids
 
 
-async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str):
+async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str,
+                  trace: PathTrace | None = None):
     """One engine request per prompt; maps admission errors to 400 / 503."""
     ae = st.engine
     if len(prompts) > ae.max_waiting:  # all of them wait in the queue at once: never admitted
@@ -152,7 +159,7 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
     if ae.queue_full(len(prompts)):
         raise _queue_full(ae, f"the waiting queue is full ({ae.max_waiting} requests)")
     try:
-        group = ae.new_group()
+        group = ae.new_group(trace)
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error", code="engine_dead") from None
     try:
@@ -325,23 +332,57 @@ async def detokenize(st: ServerState, request: Request) -> Response:
     return JSONResponse({"prompt": await _off_loop(request.state.body_bytes, st.tokenizer.decode, ids, False)})
 
 
+def _trace(request: Request, endpoint: str) -> PathTrace:
+    """The request's path trace, from its arrival (app.py stamps it as the app's first code) to the
+    handler's first line, here: what lies between is routing, the Request and the auth check."""
+    t = ns()
+    tr = PathTrace(endpoint, request.scope.get(ARRIVAL) or t)
+    tr.handler = t
+    return tr
+
+
+class _Answer(JSONResponse):
+    """A non-streamed answer (its body rendered): its bytes are the first token's."""
+
+    def __init__(self, content: Any, st: ServerState, trace: PathTrace):
+        super().__init__(content)
+        self._st, self._trace = st, trace
+
+    async def __call__(self, scope, receive, send) -> None:
+        self._trace.sending()
+        await super().__call__(scope, receive, send)
+        self._st.metrics.path.observe(self._trace)
+
+
+def _on_close(st: ServerState, group, trace: PathTrace):
+    """A stream's end: its requests aborted if unfinished, its trace observed (after the stream, so
+    that no chunk waits for it)."""
+    def close():
+        group.close()
+        st.metrics.path.observe(trace)
+    return close
+
+
 def _usage(n_prompt: int, n_gen: int) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_gen, "total_tokens": n_prompt + n_gen}
 
 
 async def completions(st: ServerState, request: Request) -> Response:
-    t0 = now()
-    req = await _read_json(st, request, lambda body: parse_completion(body, st.defaults))
+    trace = _trace(request, "completions")
+    t0 = trace.handler * 1e-9  # perf_counter()'s clock
+    req = await _read_json(st, request, lambda body: parse_completion(body, st.defaults), trace)
+    trace.stream = req.gen.stream
     _check_model(st, req.model)
     # one decision for the whole body: many small prompts add up to a large one
     max_tokens = req.gen.sampling.max_tokens
     prompts = await _off_loop(request.state.body_bytes, lambda: [
         _prompt_ids(st, p, max_tokens, "prompt") for p in req.prompts])
+    trace.tokenized = ns()  # every prompt's ids, checked against max_model_len: ready for the engine
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
     # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
     per = choice_params(req.gen.sampling, req.gen.n)
     prompts = [p for p in prompts for _ in range(req.gen.n)]
-    group = await _submit(st, prompts, per * (len(prompts) // req.gen.n), "prompt")
+    group = await _submit(st, prompts, per * (len(prompts) // req.gen.n), "prompt", trace)
     rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in prompts]
     want_lp = req.gen.sampling.logprobs is not None
@@ -358,14 +399,18 @@ async def completions(st: ServerState, request: Request) -> Response:
             n_gen, offsets = 0, [0] * len(prompts)
             try:
                 async for idx, u in group.updates():
-                    timers[idx].tokens_arrived(len(u.new_token_ids), now())
+                    t = ns()
+                    trace.got(t)
+                    timers[idx].tokens_arrived(len(u.new_token_ids), t * 1e-9)
                     n_gen += len(u.new_token_ids)
                     rows = logprob_rows(u) if want_lp else []
                     if u.new_text or rows or u.finished:
                         lp = completion_logprobs(st.tokenizer, rows, offsets[idx]) if want_lp else None
                         offsets[idx] += len(u.new_text)
-                        yield event(chunk([{"index": idx, "text": u.new_text, "logprobs": lp,
+                        ev = event(chunk([{"index": idx, "text": u.new_text, "logprobs": lp,
                                            "finish_reason": u.finish_reason if u.finished else None}]))
+                        trace.sending()
+                        yield ev
                     if u.finished:
                         timers[idx].finish()
                 if req.gen.include_usage:
@@ -373,7 +418,7 @@ async def completions(st: ServerState, request: Request) -> Response:
             except Exception as e:
                 yield error_event(e)
             yield DONE
-        return SSEResponse(events(), group.close)
+        return SSEResponse(events(), _on_close(st, group, trace))
 
     texts = [[] for _ in prompts]
     ntok = [0] * len(prompts)
@@ -382,7 +427,9 @@ async def completions(st: ServerState, request: Request) -> Response:
     finish = [None] * len(prompts)
 
     def on_update(idx, u):
-        timers[idx].tokens_arrived(len(u.new_token_ids), now())
+        t = ns()
+        trace.got(t)
+        timers[idx].tokens_arrived(len(u.new_token_ids), t * 1e-9)
         texts[idx].append(u.new_text)
         ntok[idx] += len(u.new_token_ids)
         if want_lp:
@@ -397,9 +444,9 @@ async def completions(st: ServerState, request: Request) -> Response:
     choices = [{"index": i, "text": "".join(texts[i]),
                 "logprobs": merge_logprobs(lps[i]) if want_lp else None,
                 "finish_reason": finish[i]} for i in range(len(prompts))]
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created,
-                         "model": st.model_name, "choices": choices,
-                         "usage": _usage(n_prompt, sum(ntok))})
+    return _Answer({"id": rid, "object": "text_completion", "created": created,
+                    "model": st.model_name, "choices": choices,
+                    "usage": _usage(n_prompt, sum(ntok))}, st, trace)
 
 
 def _delta_json(d, tool_index: int) -> tuple[dict, int]:
@@ -451,13 +498,17 @@ class _ChatChoice:
 
 
 async def chat_completions(st: ServerState, request: Request) -> Response:
-    t0 = now()
-    req = await _read_json(st, request, lambda body: parse_chat(body, st.defaults))
+    trace = _trace(request, "chat_completions")
+    t0 = trace.handler * 1e-9  # perf_counter()'s clock
+    req = await _read_json(st, request, lambda body: parse_chat(body, st.defaults), trace)
+    trace.stream = req.gen.stream
     _check_model(st, req.model)
     prompt = await _off_loop(request.state.body_bytes, _chat_prompt, st, req)
+    trace.templated = ns()  # the prompt's text (jinja2): apart from tokenizing, which completions share
     ids = await _off_loop(len(prompt.text), _prompt_ids, st, prompt.text, req.gen.sampling.max_tokens, "messages")
+    trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
     n = req.gen.n
-    group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages")
+    group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages", trace)
     choices = [_ChatChoice(prompt.parser(req.parallel_tool_calls)) for _ in range(n)]
     rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     timers = [RequestTimer(st.metrics, t0) for _ in range(n)]
@@ -480,7 +531,9 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     yield event(chunk(i, {"role": "assistant", "content": ""}))
                 async for i, u in group.updates():
                     c = choices[i]
-                    timers[i].tokens_arrived(len(u.new_token_ids), now())
+                    t = ns()
+                    trace.got(t)
+                    timers[i].tokens_arrived(len(u.new_token_ids), t * 1e-9)
                     n_gen += len(u.new_token_ids)
                     delta, c.tool_index = _delta_json(c.parser.feed(u.new_text), c.tool_index)
                     done = u.finished or c.parser.capped  # capped: the one call allowed is out
@@ -491,24 +544,30 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
                     rows = logprob_rows(u) if want_lp else []
                     lp = {"content": chat_logprobs(st.tokenizer, rows)} if rows else None
                     if delta or lp:
-                        yield event(chunk(i, delta, lp=lp))
+                        ev = event(chunk(i, delta, lp=lp))
+                        trace.sending()
+                        yield ev
                     if done:
                         timers[i].finish()
-                        yield event(chunk(i, {}, fr=c.parser.finish_reason(u.finish_reason if u.finished else "stop")))
+                        ev = event(chunk(i, {}, fr=c.parser.finish_reason(u.finish_reason if u.finished else "stop")))
+                        trace.sending()
+                        yield ev
                         group.abort(i)  # capped: what the model would still write is not wanted
                 if req.gen.include_usage:
                     yield event(chunk(0, None, usage=_usage(len(ids), n_gen), choices=False))
             except Exception as e:
                 yield error_event(e)
             yield DONE
-        return SSEResponse(events(), group.close)
+        return SSEResponse(events(), _on_close(st, group, trace))
 
     n_gen = 0
 
     def on_update(i, u) -> bool:
         nonlocal n_gen
         c = choices[i]
-        timers[i].tokens_arrived(len(u.new_token_ids), now())
+        t = ns()
+        trace.got(t)
+        timers[i].tokens_arrived(len(u.new_token_ids), t * 1e-9)
         c.got.append(c.parser.feed(u.new_text))
         n_gen += len(u.new_token_ids)
         if want_lp:
@@ -521,10 +580,10 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
 
     if not await _collect(request, group, on_update):
         return Response(status_code=CLIENT_GONE)
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created,
-                         "model": st.model_name,
-                         "choices": [c.message(i, st.tokenizer, want_lp) for i, c in enumerate(choices)],
-                         "usage": _usage(len(ids), n_gen)})
+    return _Answer({"id": rid, "object": "chat.completion", "created": created,
+                    "model": st.model_name,
+                    "choices": [c.message(i, st.tokenizer, want_lp) for i, c in enumerate(choices)],
+                    "usage": _usage(len(ids), n_gen)}, st, trace)
 
 
 async def http_error(request: Request, exc: HTTPException) -> Response:
