@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import re
-import shlex
 import signal
 import socket
 import statistics
@@ -42,6 +41,7 @@ import urllib.request
 from pathlib import Path
 
 from openinfer.server.metrics import PATH_PHASES as PHASES
+from soak import start_server  # noqa: E402  (bench/ is on the path: the script's own folder)
 
 ENGINE = ("step", "decode")  # the engine's work: what is not the path around the step
 HIST = "openinfer_request_path_seconds"
@@ -235,29 +235,6 @@ def table(kinds: list[dict]) -> str:
     for label, fn in rows:
         lines.append(f"{label:13}" + "".join(f"{fn(k):>{w}}" for k in kinds))
     return "\n".join(lines)
-
-
-def start_server(serve_args: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
-    argv = shlex.split(serve_args)
-    if "--port" not in argv:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            argv += ["--port", str(s.getsockname()[1])]
-    url = f"http://127.0.0.1:{argv[argv.index('--port') + 1]}"
-    with log.open("w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "openinfer.cli", *argv], stdout=f, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with _HTTP.open(url + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    proc.wait()
-    sys.exit(f"path_bench: the server did not become healthy (see {log}):\n" + "".join(log.open().readlines()[-20:]))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -293,6 +293,8 @@ def check(doc: dict, rss_growth: float = RSS_GROWTH) -> list[str]:
 
 
 def start_server(serve_args: str, log: Path, timeout: float) -> tuple[subprocess.Popen, str]:
+    """openinfer-serve with these arguments on a free port (unless they name one), once /health answers
+    (bench/path_bench.py starts its server here too)."""
     import httpx
 
     argv = shlex.split(serve_args)
@@ -313,7 +315,8 @@ def start_server(serve_args: str, log: Path, timeout: float) -> tuple[subprocess
         time.sleep(0.5)
     proc.kill()
     proc.wait()
-    sys.exit(f"soak: the server did not become healthy (see {log}):\n" + "".join(log.open().readlines()[-20:]))
+    sys.exit(f"{Path(sys.argv[0]).name}: the server did not become healthy (see {log}):\n"
+             + "".join(log.open().readlines()[-20:]))
 
 
 def summary(doc: dict) -> str:
