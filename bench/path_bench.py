@@ -30,7 +30,6 @@ import argparse
 import json
 import math
 import re
-import signal
 import socket
 import statistics
 import subprocess
@@ -41,7 +40,7 @@ import urllib.request
 from pathlib import Path
 
 from openinfer.server.metrics import PATH_PHASES as PHASES
-from soak import start_server  # noqa: E402  (bench/ is on the path: the script's own folder)
+from soak import start_server, stop_server  # noqa: E402  (bench/ is on the path: the script's own folder)
 
 ENGINE = ("step", "decode")  # the engine's work: what is not the path around the step
 HIST = "openinfer_request_path_seconds"
@@ -277,12 +276,7 @@ def main(argv: list[str] | None = None) -> int:
                           f"{kinds[-1]['client']['ttft']['p50_us']:.0f} us", file=sys.stderr, flush=True)
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
         if tmp is not None:
             tmp.cleanup()
     doc = {"config": {"url": a.url, "serve_args": a.serve_args, "requests": a.requests, "warmup": a.warmup,

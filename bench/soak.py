@@ -319,6 +319,16 @@ def start_server(serve_args: str, log: Path, timeout: float) -> tuple[subprocess
              + "".join(log.open().readlines()[-20:]))
 
 
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM, and a kill after a minute."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def summary(doc: dict) -> str:
     c, s = doc["config"], doc["samples"]
     rss = [x["rss_mib"] for x in s if x.get("rss_mib") is not None]
@@ -362,12 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = asyncio.run(run_traffic(a, url.rstrip("/"), pid))
     finally:
         if proc is not None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_server(proc)
     if proc is not None:
         doc["server_exit"] = proc.returncode
     doc["failures"] = check(doc)
