@@ -32,6 +32,24 @@ from openinfer.step import StepInput
 FLOOR_MS = {"qwen3-4b": 1.91, "qwen3-8b": 3.59, "qwen3-32b": 15.2}
 
 
+def provenance() -> dict:
+    """The command, date, tree and machine a result comes from. The tree is the one the engine was built
+    from (bench/build_wheel.sh, via device_setup.sh), else this checkout's."""
+    commit = os.environ.get("OPENINFER_TREE", "")
+    try:
+        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                          cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        pass
+    try:
+        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout.strip()
+    except OSError:
+        gpu = ""
+    return {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
+            "machine": {"gpu": gpu, "host": platform.node()}}
+
+
 def option_settings(options: str) -> list[tuple[str, dict]]:
     """'persistent_decode=0;persistent_decode=1' -> [(text, EngineConfig overrides), ...]: each setting
     builds its own engine, in turn, in this process (values are ints, floats or true/false)."""
@@ -200,19 +218,7 @@ def main() -> None:
                 for r in got:
                     r["options"] = setting
                 rows += got
-    # The tree the engine was built from (bench/build_wheel.sh, via device_setup.sh), else this checkout's.
-    commit = os.environ.get("OPENINFER_TREE", "")
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        pass
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.strip()
-    except OSError:
-        gpu = ""
-    result = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
-              "machine": {"gpu": gpu, "host": platform.node()}, "rows": rows}
+    result = dict(provenance(), rows=rows)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(result, indent=1))

@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+
+from bench_engine import provenance
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -556,22 +555,6 @@ def table_project(res: dict) -> None:
 
 
 # ---------------------------------------------------------------- main
-def provenance() -> dict:
-    commit = os.environ.get("OPENINFER_TREE", "")
-    try:
-        commit = commit or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                          cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        pass
-    try:
-        gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True).stdout.strip()
-    except OSError:
-        gpu = ""
-    return {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
-            "machine": {"gpu": gpu, "host": platform.node()}}
-
-
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
