@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 import sys
 import time
 from pathlib import Path
@@ -44,7 +45,8 @@ def one_line(stderr: str) -> str:
 
 class ServerProcess:
     """`openinfer-serve --device cpu` on a free port in a subprocess (its own interpreter, so a test's
-    clients share no GIL with it); `stop()` sends a signal and returns (exit status, output)."""
+    clients share no GIL with it); `stop()` sends a signal and returns (exit status, output). Its output
+    is read as it comes: a full pipe (64 KiB, a minute of access-log lines) would block the server."""
 
     def __init__(self, env: dict, model_dir, *args: str, extra_env: dict | None = None, timeout: float = 90):
         import signal
@@ -60,10 +62,14 @@ class ServerProcess:
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(env, **(extra_env or {})),
             # as from a terminal: a suite started in the background would pass SIGINT ignored
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        self._out: list[str] = []
+        self._reader = threading.Thread(target=lambda: self._out.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError("server exited: " + self.proc.stdout.read())
+                self._reader.join(10)
+                raise RuntimeError("server exited: " + "".join(self._out))
             if time.monotonic() > deadline:
                 self.stop()
                 raise RuntimeError("server did not become healthy")
@@ -76,12 +82,14 @@ class ServerProcess:
 
     def wait(self, timeout: float) -> tuple[int, str]:
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            out, _ = self.proc.communicate()
-            raise AssertionError("server did not exit in time: " + out) from None
-        return self.proc.returncode, out
+            self.proc.wait()
+            self._reader.join(10)
+            raise AssertionError("server did not exit in time: " + "".join(self._out)) from None
+        self._reader.join(10)
+        return self.proc.returncode, "".join(self._out)
 
     def stop(self, sig=None, timeout: float = 30) -> tuple[int, str]:
         import signal

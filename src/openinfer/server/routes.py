@@ -23,13 +23,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from ..chat import (ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemplate, chat_prompt,
-                    loads_text_json)
+from ..chat import ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemplate, chat_prompt
 from ..engine import QueueFull, RequestRejected
 from ..sampling_params import SamplingParams, choice_params
 from ..tokenizer import TooManyTokens
 from ..version import build_info
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
+from .json_body import loads_body
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
 from .metrics import ARRIVAL, CONTENT_TYPE, Metrics, PathTrace, RequestTimer
 from .protocol import APIError, bad, engine_error, internal, model_field, parse_chat, parse_completion
@@ -96,7 +96,7 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
 
 def _parse_json(raw: bytes, parse) -> Any:
     try:  # lone surrogates refused here, once, not wherever a string is encoded later
-        body = loads_text_json(raw)
+        body = loads_body(raw)
     except ValueError as e:
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
     return body if parse is None else parse(body)
@@ -132,7 +132,8 @@ def _prompt_ids(st: ServerState, prompt: str | list[int], max_tokens: int | None
     """A prompt's token ids, checked against max_model_len. A text that cannot fit is refused from its
     length (Tokenizer.min_tokens: a 7 MB ASCII text is >= 54k tokens) before it is tokenized; one
     that may fit is tokenized until it is known not to fit."""
-    if isinstance(prompt, list):
+    if isinstance(prompt, list):  # its length first: min() and max() of 1M ids hold the GIL 20 ms
+        _check_length(st, len(prompt), max_tokens, param)
         ids = _check_ids(st, prompt, param)
     else:
         _check_length(st, st.tokenizer.min_tokens(prompt), max_tokens, param, at_least=True)
