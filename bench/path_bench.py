@@ -8,7 +8,9 @@ server's path trace (/metrics `openinfer_request_path_seconds{phase, endpoint, s
     python3 bench/path_bench.py --url http://127.0.0.1:8000 --out path.json
     STAGES=path bash bench/gpu_session.sh                         # the 4B on the GPU
 
-Kinds: /v1/completions and /v1/chat/completions, streamed and not, at each --max-tokens; each sends
+Kinds: /v1/completions and /v1/chat/completions, streamed and not, at each --max-tokens (with
+--prompt-tokens N: completions alone, the prompt N token ids, the same each time: after the first, a
+prefix-cache hit whose step computes one token over N of context, the warm-TTFT case); each sends
 --warmup requests, then --requests more between two scrapes of /metrics, whose difference gives the
 kind's phases: p50 / p90 interpolated in the histogram's buckets (as Prometheus' histogram_quantile),
 means exact (sum / count). The client is a raw keep-alive HTTP/1.1 socket, so its own cost in the
@@ -179,7 +181,8 @@ def pcts(xs: list[float]) -> dict:
 
 def run_kind(c: Client, url: str, model: str, endpoint: str, stream: bool, max_tokens: int, a) -> dict:
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
-    body = dict(COMPLETION if endpoint == "completions" else CHAT, model=model, max_tokens=max_tokens,
+    prompt = {"prompt": [(i * 7919) % 30000 + 100 for i in range(a.prompt_tokens)]} if a.prompt_tokens else None
+    body = dict(prompt or (COMPLETION if endpoint == "completions" else CHAT), model=model, max_tokens=max_tokens,
                 temperature=0, ignore_eos=True, stream=stream)
     skip = 1 if endpoint == "chat_completions" and stream else 0  # chat streams open with the role chunk
     for _ in range(a.warmup):
@@ -244,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=100, help="measured requests per kind (default 100)")
     p.add_argument("--warmup", type=int, default=10, help="requests per kind before the measured ones (default 10)")
     p.add_argument("--max-tokens", default="1,8", help="max_tokens of the kinds, comma-separated (default 1,8)")
+    p.add_argument("--prompt-tokens", type=int, default=0,
+                   help="prompts of this many token ids, the same each time (completions only: warm prefix hits)")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, help="the JSON (default: none)")
     a = p.parse_args(argv)
@@ -256,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             tmp = tempfile.TemporaryDirectory(prefix="path_bench-")
             subprocess.run([sys.executable, "-m", "openinfer.tools.random_checkpoint", "--preset", "tiny", "--out",
                             f"{tmp.name}/tiny"], check=True, capture_output=True)
-            serve_args = f"--model-path {tmp.name}/tiny --device cpu --max-model-len 2048"
+            n = max(2048, a.prompt_tokens + 64)
+            serve_args = f"--model-path {tmp.name}/tiny --device cpu --max-model-len {n} --num-kv-blocks {n // 16 + 64}"
         if "--log-level" not in serve_args:  # a debug log writes every trace: not what is measured
             serve_args += " --log-level warning"
         log = (a.out or Path(tempfile.gettempdir()) / "path_bench.json").with_suffix(".server.log")
@@ -268,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         host, port = url.split("//", 1)[1].rsplit(":", 1)
         c = Client(host.strip("[]"), int(port))
         kinds = []
-        for endpoint in ("completions", "chat_completions"):
+        for endpoint in ("completions",) if a.prompt_tokens else ("completions", "chat_completions"):
             for stream in (False, True):
                 for mt in map(int, a.max_tokens.split(",")):
                     kinds.append(run_kind(c, url, model, endpoint, stream, mt, a))
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     doc = {"config": {"url": a.url, "serve_args": a.serve_args, "requests": a.requests, "warmup": a.warmup,
-                      "max_tokens": a.max_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
+                      "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
            "kinds": kinds}
     print(table(kinds))
     if a.out:
