@@ -23,13 +23,12 @@ class PrefixChain:
     (for 16k tokens that is ~1k blocks; making them costs about a millisecond)."""
 
     def __init__(self, token_ids: Sequence[int], block_size: int):
-        n = len(token_ids) // block_size
-        self.blocks = [tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(n)]
+        self.blocks = list(zip(*[iter(token_ids)] * block_size))  # the full blocks' tuples, made in C
         self.hashes: list[int] = []
-        h = None
+        h, append = None, self.hashes.append
         for t in self.blocks:
             h = hash((h, t))
-            self.hashes.append(h)
+            append(h)
 
     def prev(self, i: int) -> int | None:
         """The chain hash before block i."""
@@ -78,16 +77,22 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         chain = prefix if isinstance(prefix, PrefixChain) else PrefixChain(prefix, self.block_size)
-        out = []
-        for i in range(min(max_blocks, len(chain.blocks))):
-            bid = self._by_hash.get(chain.hashes[i])
+        out, prev, by_hash, blocks = [], None, self._by_hash, self.blocks
+        for h, toks, _ in zip(chain.hashes, chain.blocks, range(max_blocks)):
+            bid = by_hash.get(h)
             if bid is None:
                 break
-            b = self.blocks[bid]
-            if b.token_ids != chain.blocks[i] or b.prev_hash != chain.prev(i):  # a hash collision, not a hit
+            b = blocks[bid]
+            if b.token_ids != toks or b.prev_hash != prev:  # a hash collision, not a hit
                 break
             out.append(bid)
+            prev = h
         return out
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks nobody holds (cached, in the LRU)."""
+        blocks = self.blocks
+        return sum(1 for bid in block_ids if blocks[bid].ref_count == 0)
 
     def is_free(self, block_id: int) -> bool:
         return self.blocks[block_id].ref_count == 0

@@ -334,7 +334,7 @@ class Scheduler:
         # A hit never covers the last prompt token: it must be recomputed to produce logits.
         max_blocks = (seq.num_prompt - 1) // self.bs
         hits = self.bm.match_prefix(seq.prompt_chain, max_blocks)
-        cost = (seq.blocks_needed - len(hits)) + sum(self.bm.is_free(b) for b in hits)
+        cost = (seq.blocks_needed - len(hits)) + self.bm.num_free_among(hits)
         if cost > self.bm.num_free - self.promised_blocks():
             return False
         self.bm.acquire(hits)
