@@ -22,7 +22,9 @@
 # mixed traffic at SOAK_RATE req/s on the 4B, then soak.json, soak.svg and the server's log; 8 minutes leave
 # a call little room for other stages), path (bench/path_bench.py: where a lone request's microseconds go
 # around its step on the 4B, per phase from the server's trace, beside the client's TTFT; path.json and the
-# server's log, ~2 min).
+# server's log, ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
+# closed-loop at concurrency 64 for 20 s, then OVERLOAD_FACTOR (2) times it for 60 s: every request done
+# or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -125,6 +127,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
           python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
     path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
             --out "$OUT/path.json" | tail -26 ;;
+    overload) need_4b && python3 bench/overload.py --serve-args "--model-path $CKPT4B --log-level warning" \
+            --factor ${OVERLOAD_FACTOR:-2} --seconds 60 --out "$OUT/overload.json" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
   esac
 done
