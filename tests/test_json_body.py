@@ -106,3 +106,13 @@ def test_large_bodies_hold_the_gil_in_short_pieces():
         th.join()
         # a parse in one call would leave the probe one wait as long as the parse itself
         assert max(waits) < max(0.5 * wall, 0.012), (max(waits), wall)
+
+
+def test_a_flat_array_past_max_items_is_refused_unparsed():
+    raw = json.dumps({"prompt": list(range(40_000)), "max_tokens": 4}).encode()
+    with pytest.raises(json_body.LongArray) as e:
+        json_body.loads_body(raw, max_items=32_768)
+    assert e.value.n == 40_000
+    assert json_body.loads_body(raw, max_items=40_000) == json.loads(raw)  # at the bound: parsed
+    nested = json.dumps({"prompt": [list(range(30_000)), list(range(30_000))]}).encode()
+    assert json_body.loads_body(nested, max_items=32_768) == json.loads(nested)  # each list on its own

@@ -123,7 +123,7 @@ def test_7mb_prompt_delays_neither_health_nor_a_stream(big, kind, stream):
     tokenizer holding no GIL: /health, and a concurrent stream's chunks, come < 50 ms later than they
     do without it (they took 5-9 s). An ASCII text that long cannot fit max_model_len whatever its
     tokens and is refused from its length alone; the other is tokenized only until it is known not to
-    fit; a million token ids are parsed in pieces (server/json_body.py) and refused from their count.
+    fit; a million token ids are refused from their count (server/json_body.py) before they are parsed.
     (With a stream, the baseline is the CPU backend's own step, which holds the GIL ~50 ms.)"""
     body = json.dumps({"prompt": SEVEN_MB[kind], "max_tokens": 16}, ensure_ascii=False).encode()
     assert 6.5e6 < len(body) < 8 << 20

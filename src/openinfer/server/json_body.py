@@ -23,8 +23,18 @@ _HIGH = b"dD"  # \uD800-\uDBFF (high surrogates) start with \uD8..\uDB
 _HIGH2 = b"89abAB"
 
 
-def loads_body(raw: bytes) -> Any:
-    """loads_text_json(raw), holding the GIL for at most one _PIECE-sized parse at a time."""
+class LongArray(ValueError):
+    """A flat array of more than loads_body's max_items elements (`n` of them), refused unparsed."""
+
+    def __init__(self, n: int):
+        super().__init__(f"an array of {n} numbers")
+        self.n = n
+
+
+def loads_body(raw: bytes, max_items: int | None = None) -> Any:
+    """loads_text_json(raw), holding the GIL for at most one _PIECE-sized parse at a time. With
+    `max_items`, a long flat array (token ids) of more elements than that raises LongArray before it
+    is parsed (counted by its commas: a million ids in 2 ms, not 70)."""
     if len(raw) <= 2 * _PIECE or json.detect_encoding(raw[:4]) != "utf-8":  # UTF-16 or -32, or a BOM
         return loads_text_json(raw)
     nonce = secrets.token_hex(8)  # a placeholder no client can write on purpose
@@ -34,7 +44,7 @@ def loads_body(raw: bytes) -> Any:
         q = raw.find(b'"', free)
         stop = len(raw) if q < 0 else q
         if stop - free > _PIECE:  # a long run between strings: maybe a flat array (token ids)
-            last = _cut_arrays(raw, free, stop, last, out, values, nonce)
+            last = _cut_arrays(raw, free, stop, last, out, values, nonce, max_items)
         if q < 0:
             break
         end = _string_end(raw, q)
@@ -91,7 +101,8 @@ def _cut_ok(raw: bytes, p: int, a: int) -> bool:
                              and raw[p - 3] in _HIGH2)
 
 
-def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, nonce: str) -> int:
+def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, nonce: str,
+                max_items: int | None) -> int:
     """Cuts each long flat array (numbers and literals, no strings or nesting: a token-id list) out of
     raw[a:b], which holds no string; returns where the part of raw not yet in `out` starts."""
     i = a
@@ -103,6 +114,8 @@ def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, 
         if j < 0:
             return last
         if raw[j] == 0x5D and j - i > _PIECE:  # "]": raw[i:j] holds scalars alone
+            if max_items is not None and (n := raw.count(b",", i, j) + 1) > max_items:
+                raise LongArray(n)
             out.append(raw[last:i])
             values[key := f"{nonce}a{len(values)}"] = _flat_array(raw, i + 1, j)
             out.append(b'"' + key.encode() + b'"')

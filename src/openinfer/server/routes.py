@@ -29,7 +29,7 @@ from ..sampling_params import SamplingParams, choice_params
 from ..tokenizer import TooManyTokens
 from ..version import build_info
 from .async_engine import AsyncEngine, EngineDeadError, EngineStepError
-from .json_body import loads_body
+from .json_body import LongArray, loads_body
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
 from .metrics import ARRIVAL, CONTENT_TYPE, Metrics, PathTrace, RequestTimer
 from .protocol import APIError, bad, engine_error, internal, model_field, parse_chat, parse_completion
@@ -66,10 +66,14 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body over {limit} bytes", code="request_too_large", headers=CLOSE)
 
 
-async def _read_json(st: ServerState, request: Request, parse=None, trace: PathTrace | None = None) -> Any:
+async def _read_json(st: ServerState, request: Request, parse=None, trace: PathTrace | None = None,
+                     max_items: int | None = None) -> Any:
     """The body as JSON (then `parse(body)`), read under the size limit and the read timeout; a body
     over the limit or late is answered (413, 408) and the rest of it never read (Connection: close).
-    Parsing a large body runs off the event loop."""
+    Parsing a large body runs off the event loop, and `parse` with it: what a handler does with a large
+    body before it reaches the engine (validation, the chat template, tokenizing) goes in one hop to a
+    worker thread and back, ~120 us each. `max_items`: a body with a flat array of more numbers than
+    that is refused before that array is parsed (a prompt of more token ids than max_model_len)."""
     limit = st.max_body_bytes
     cl = request.headers.get("content-length", "")
     if cl.isdigit() and int(cl) > limit:
@@ -88,15 +92,16 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
     request.state.body_bytes = size
     if trace is not None:  # the last of the body is in: what a slow client costs stays in `body`
         trace.body = ns()
-    body = await _off_loop(size, _parse_json, b"".join(chunks), parse)
-    if trace is not None:  # JSON and the protocol's checks: a request now, not bytes
-        trace.parsed = ns()
-    return body
+    return await _off_loop(size, _parse_json, st, b"".join(chunks), parse, max_items)
 
 
-def _parse_json(raw: bytes, parse) -> Any:
+def _parse_json(st: ServerState, raw: bytes, parse, max_items: int | None) -> Any:
     try:  # lone surrogates refused here, once, not wherever a string is encoded later
-        body = loads_body(raw)
+        body = loads_body(raw, max_items)
+    except LongArray as e:  # a prompt's token ids, or numbers the chat template would render: too many either way
+        raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, the request "
+                  f"holds a list of {e.n} numbers (token ids), more than fit. Please reduce the prompt.", None,
+                  "context_length_exceeded") from None
     except ValueError as e:
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
     return body if parse is None else parse(body)
@@ -371,14 +376,17 @@ def _usage(n_prompt: int, n_gen: int) -> dict:
 async def completions(st: ServerState, request: Request) -> Response:
     trace = _trace(request, "completions")
     t0 = trace.handler * 1e-9  # perf_counter()'s clock
-    req = await _read_json(st, request, lambda body: parse_completion(body, st.defaults), trace)
+
+    def prepare(body):  # where the body is read: off the event loop for a large one (many small prompts too)
+        req = parse_completion(body, st.defaults)
+        trace.parsed = ns()  # JSON and the protocol's checks: a request now, not bytes
+        _check_model(st, req.model)
+        prompts = [_prompt_ids(st, p, req.gen.sampling.max_tokens, "prompt") for p in req.prompts]
+        trace.tokenized = ns()  # every prompt's ids, checked against max_model_len: ready for the engine
+        return req, prompts
+
+    req, prompts = await _read_json(st, request, prepare, trace, st.max_model_len)
     trace.stream = req.gen.stream
-    _check_model(st, req.model)
-    # one decision for the whole body: many small prompts add up to a large one
-    max_tokens = req.gen.sampling.max_tokens
-    prompts = await _off_loop(request.state.body_bytes, lambda: [
-        _prompt_ids(st, p, max_tokens, "prompt") for p in req.prompts])
-    trace.tokenized = ns()  # every prompt's ids, checked against max_model_len: ready for the engine
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
     # choice i * n + j is prompt i's j-th sample, as OpenAI orders them
     per = choice_params(req.gen.sampling, req.gen.n)
@@ -501,13 +509,19 @@ class _ChatChoice:
 async def chat_completions(st: ServerState, request: Request) -> Response:
     trace = _trace(request, "chat_completions")
     t0 = trace.handler * 1e-9  # perf_counter()'s clock
-    req = await _read_json(st, request, lambda body: parse_chat(body, st.defaults), trace)
+
+    def prepare(body):  # where the body is read: off the event loop for a large one
+        req = parse_chat(body, st.defaults)
+        trace.parsed = ns()
+        _check_model(st, req.model)
+        prompt = _chat_prompt(st, req)
+        trace.templated = ns()  # the prompt's text (jinja2): apart from tokenizing, which completions share
+        ids = _prompt_ids(st, prompt.text, req.gen.sampling.max_tokens, "messages")
+        trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
+        return req, prompt, ids
+
+    req, prompt, ids = await _read_json(st, request, prepare, trace, st.max_model_len)
     trace.stream = req.gen.stream
-    _check_model(st, req.model)
-    prompt = await _off_loop(request.state.body_bytes, _chat_prompt, st, req)
-    trace.templated = ns()  # the prompt's text (jinja2): apart from tokenizing, which completions share
-    ids = await _off_loop(len(prompt.text), _prompt_ids, st, prompt.text, req.gen.sampling.max_tokens, "messages")
-    trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
     n = req.gen.n
     group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages", trace)
     choices = [_ChatChoice(prompt.parser(req.parallel_tool_calls)) for _ in range(n)]
