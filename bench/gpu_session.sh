@@ -24,7 +24,8 @@
 # around its step on the 4B, per phase from the server's trace, beside the client's TTFT; path.json and the
 # server's log, ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
 # closed-loop at concurrency 64 for 20 s, then OVERLOAD_FACTOR (2) times it for 60 s: every request done
-# or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min).
+# or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min), gpusuite (every GPU test in one pytest
+# process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; ~10 min, a call of its own).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -127,6 +128,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
           python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
     path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
             --out "$OUT/path.json" | tail -26 ;;
+    gpusuite) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
+                python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpusuite.log" | tail -12 ;;
     overload) need_4b && python3 bench/overload.py --serve-args "--model-path $CKPT4B --log-level warning" \
             --factor ${OVERLOAD_FACTOR:-2} --seconds 60 --out "$OUT/overload.json" | tail -4 ;;
     *) echo "unknown stage $stage" ;;

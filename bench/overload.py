@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from soak import IDLE, gauges, pct, start_server, stop_server  # noqa: E402  (bench/ is on the path)
+from soak import IDLE, gauges, pct, run_checked  # noqa: E402  (bench/ is on the path)
 
 
 class Outcomes:
@@ -88,7 +88,7 @@ async def saturation(client, a) -> float:
     return len(out.done) / (time.perf_counter() - t0)
 
 
-async def run(a, url: str) -> dict:
+async def run(a, url: str, pid: int | None = None) -> dict:
     import httpx
 
     async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(a.stuck_s, connect=10), trust_env=False,
@@ -186,21 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.url is None) == (a.serve_args is None):
         p.error("give one of --url and --serve-args")
-    proc, url = None, a.url
-    if a.serve_args is not None:
-        proc, url = start_server(a.serve_args, a.out.with_suffix(".server.log"), a.start_timeout)
-    try:
-        doc = asyncio.run(run(a, url.rstrip("/")))
-    finally:
-        if proc is not None:
-            stop_server(proc)
-    if proc is not None:
-        doc["server_exit"] = proc.returncode
-    doc["failures"] = check(doc)
-    doc["passed"] = not doc["failures"]
-    a.out.write_text(json.dumps(doc, indent=1))
-    print(summary(doc))
-    return 0 if doc["passed"] else 1
+    return run_checked(a, run, check, summary)
 
 
 if __name__ == "__main__":

@@ -364,12 +364,19 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if (a.url is None) == (a.serve_args is None):
         p.error("give one of --url and --serve-args")
-    proc, url, pid = None, a.url, a.pid
+    return run_checked(a, run_traffic, check, summary)
+
+
+def run_checked(a, traffic, check, summary) -> int:
+    """`traffic(a, url, pid)` (a coroutine making the result's dict) against --url, or a server started
+    from --serve-args and stopped after (its exit status recorded); then check(doc)'s failures, the JSON
+    to --out and summary(doc) printed. Exit status 0 when it passed (bench/overload.py runs here too)."""
+    proc, url, pid = None, a.url, getattr(a, "pid", None)
     if a.serve_args is not None:
         proc, url = start_server(a.serve_args, a.out.with_suffix(".server.log"), a.start_timeout)
         pid = proc.pid
     try:
-        doc = asyncio.run(run_traffic(a, url.rstrip("/"), pid))
+        doc = asyncio.run(traffic(a, url.rstrip("/"), pid))
     finally:
         if proc is not None:
             stop_server(proc)
