@@ -49,8 +49,9 @@ def test_sigterm_finishes_what_it_can_ends_the_rest_and_exits_0(cli_env, tiny_di
     """SIGTERM: no new connections; a request that finishes within --shutdown-timeout finishes; the rest
     end then, a stream with an error event and [DONE], a non-streamed one with an OpenAI-style 503; the
     process exits 0 without a traceback."""
+    # 5 s: the short request's 20 steps take ~1 s alone, 3 s and more on a loaded 2-core CI runner
     srv = ServerProcess(cli_env, tiny_dir, "--max-model-len", "2048", "--num-kv-blocks", "100",
-                        "--shutdown-timeout", "2")
+                        "--shutdown-timeout", "5")
     out = {}
     try:
         assert metric(srv.url, "openinfer_kv_blocks_free") == 99  # --num-kv-blocks 100, block 0 reserved
@@ -84,13 +85,15 @@ def test_sigterm_finishes_what_it_can_ends_the_rest_and_exits_0(cli_env, tiny_di
     plain = out["plain"]
     assert isinstance(plain, httpx.Response) and plain.status_code == 503, plain
     assert plain.json()["error"]["code"] == "server_shutting_down"
-    assert 2 <= took < 10, took
+    assert 5 <= took < 15, took
 
 
 def _refused(url) -> bool:
+    """A new connection is not served: refused, or (while uvicorn closes its socket) accepted and closed
+    without an answer."""
     try:
         httpx.get(url + "/health", timeout=1)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.RemoteProtocolError):
         return True
     return False
 
