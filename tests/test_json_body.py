@@ -108,11 +108,42 @@ def test_large_bodies_hold_the_gil_in_short_pieces():
         assert max(waits) < max(0.5 * wall, 0.012), (max(waits), wall)
 
 
-def test_a_flat_array_past_max_items_is_refused_unparsed():
+def test_a_prompt_past_max_items_is_left_unparsed():
     raw = json.dumps({"prompt": list(range(40_000)), "max_tokens": 4}).encode()
-    with pytest.raises(json_body.LongArray) as e:
-        json_body.loads_body(raw, max_items=32_768)
-    assert e.value.n == 40_000
+    got = json_body.loads_body(raw, max_items=32_768)
+    assert isinstance(got["prompt"], json_body.LongArray) and got["prompt"].n == 40_000 and got["max_tokens"] == 4
     assert json_body.loads_body(raw, max_items=40_000) == json.loads(raw)  # at the bound: parsed
-    nested = json.dumps({"prompt": [list(range(30_000)), list(range(30_000))]}).encode()
-    assert json_body.loads_body(nested, max_items=32_768) == json.loads(nested)  # each list on its own
+    ids = json.dumps(list(range(40_000))).encode()
+    for raw in (json.dumps({"prompt": [list(range(30_000))] * 2}).encode(),  # each list on its own
+                b'{"prompt": "hi", "vector": ' + ids + b'}',  # not the prompt: parsed (and ignored later)
+                b'{"prompt": ' + ids + b', "prompt": "hi"}',  # a later key wins, as in json
+                b'{"x\\"prompt": ' + ids + b'}',  # a key that only ends in "prompt"
+                ids):
+        assert json_body.loads_body(raw, max_items=32_768) == json.loads(raw), raw[:40]
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"a": 1, [' + b" " * 40 + b']: 1}',  # an array where a key belongs: refused, not a 500
+    b'{"x": {[' + b"0," * 30 + b'0]: 1}, "x": 2, "p": "' + b"x" * 40 + b'"}',  # ... even in a dropped value
+    b'[' * 500 + b'"' + b"x" * 40 + b'"' + b']' * 500,  # as deep as json goes
+    b'{"p": "hi", "x": "' + b"y" * 40 + b'\\udc00", "x": 1}',  # a lone surrogate in a dropped value
+    b'{"' + b"k" * 40 + b'": "' + b"v" * 40 + b'"}',  # a long key
+    b'{"p": "' + b"\n" * 60 + b'"}',  # escapes back to back: no place to cut
+    b'{"p": "' + b"\\" * 60 + b'"}',
+])
+def test_what_a_review_found(raw):
+    for n in (4, 8, 16):
+        same(raw, n)
+
+
+def test_no_quadratic_walks():
+    """Nested short arrays and back-to-back escapes cost what json.loads costs, within a small factor."""
+    import time
+    for raw in (json.dumps({"prompt": [[1]] * 200_000}).encode(), json.dumps({"p": "\n" * 400_000}).encode(),
+                json.dumps({"p": [[i % 1000, 7, 9] for i in range(100_000)]}).encode()):
+        t0 = time.perf_counter()
+        json.loads(raw)
+        t1 = time.perf_counter()
+        json_body.loads_body(raw, max_items=32_768)
+        t2 = time.perf_counter()
+        assert t2 - t1 < 10 * (t1 - t0) + 0.05, (t2 - t1, t1 - t0)

@@ -152,6 +152,23 @@ def test_7mb_prompt_delays_neither_health_nor_a_stream(big, kind, stream):
     assert wait_until(lambda: metric(big.url, "openinfer_num_requests_running") == 0, 15)
 
 
+def test_a_long_id_prompt_is_refused_unparsed_after_the_model_check(small):
+    """A prompt of more token ids than max_model_len in a large body is refused from its count, not
+    parsed (server/json_body.py), yet after the model's check, as a parsed one is; a long list the
+    server does not read is parsed like any other field."""
+    ids = json.dumps(list(range(1000, 101_000))).encode()  # 600 KB: over the size parsed in one call
+    post = lambda raw: httpx.post(small.url + "/v1/completions", content=raw, timeout=30,  # noqa: E731
+                                  headers={**AUTH, "Content-Type": "application/json"})
+    r = post(b'{"model": "nope", "max_tokens": 2, "prompt": ' + ids + b'}')
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+    r = post(b'{"max_tokens": 2, "prompt": ' + ids + b'}')
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "prompt", r.text
+    assert "100000 token ids" in err["message"]
+    r = post(b'{"max_tokens": 2, "prompt": "hi", "vector": ' + ids + b'}')
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length", r.text
+
+
 def test_min_tokens_is_a_lower_bound(tokenizer):
     tok = tokenizer
     assert tok.max_token_bytes == 128  # Qwen3's vocabulary

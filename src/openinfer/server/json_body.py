@@ -5,64 +5,73 @@ json.loads is one C call that holds the GIL to the end: 7 MB of text takes 10-15
 event loop, /health included, waits. What makes a body large is a few long values (a prompt, a
 message's content, a token-id list), so loads_body cuts those out of the body, decodes each in
 pieces of _PIECE bytes (a Python loop between the pieces, where other threads get the GIL), parses
-what is left with them as placeholders and puts them back. Same result and same refusals as
+what is left with a number in place of each (an int no client can guess, and a number, so that
+json still refuses one where a key belongs) and puts them back. Same result and same refusals as
 loads_text_json(raw); only the position in a syntax error's message is counted differently.
+Bodies made of many short values are parsed in one call, as before.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import secrets
 from typing import Any
 
 from ..chat import loads_text_json
 
 _PIECE = 1 << 17  # bytes per json.loads call: ~0.3 ms of a 7 MB body
+_SEEK = 256  # bytes searched past a piece's end for a place to cut a string; else the rest in one call
 _CONT = range(0x80, 0xC0)  # UTF-8 continuation bytes: never cut before one
 _HIGH = b"dD"  # \uD800-\uDBFF (high surrogates) start with \uD8..\uDB
 _HIGH2 = b"89abAB"
+_KEY_AFTER = re.compile(rb"[ \t\r\n]*:")  # what follows a string that is an object's key
+_PROMPT_BEFORE = re.compile(rb'(?<!\\)"prompt"[ \t\r\n]*:[ \t\r\n]*$')
 
 
-class LongArray(ValueError):
-    """A flat array of more than loads_body's max_items elements (`n` of them), refused unparsed."""
+class LongArray:
+    """What loads_body leaves unparsed in place of a "prompt" key's flat array of `n` elements."""
 
     def __init__(self, n: int):
-        super().__init__(f"an array of {n} numbers")
         self.n = n
 
 
 def loads_body(raw: bytes, max_items: int | None = None) -> Any:
     """loads_text_json(raw), holding the GIL for at most one _PIECE-sized parse at a time. With
-    `max_items`, a long flat array (token ids) of more elements than that raises LongArray before it
-    is parsed (counted by its commas: a million ids in 2 ms, not 70)."""
+    `max_items`, a long flat array that is the value of a "prompt" key and has more elements than
+    that is not parsed: a LongArray stands in its place (its elements counted by its commas, a million
+    ids in 2 ms instead of 70), for the caller to refuse once it has checked what comes first."""
     if len(raw) <= 2 * _PIECE or json.detect_encoding(raw[:4]) != "utf-8":  # UTF-16 or -32, or a BOM
         return loads_text_json(raw)
-    nonce = secrets.token_hex(8)  # a placeholder no client can write on purpose
-    out, values = [], {}
+    # A value longer than 2 pieces leaves a whole aligned piece without a quote: none, nothing to cut.
+    if all(raw.find(b'"', i, i + _PIECE) >= 0 for i in range(0, len(raw) - _PIECE, _PIECE)):
+        return loads_text_json(raw)
+    base = 10 ** 30 + secrets.randbits(96)  # the placeholders: base, base + 1, ...
+    out, values, checks = [], {}, set()
     last = free = 0  # raw[last:] is not in `out` yet; raw[free:] starts outside any string
     while True:
         q = raw.find(b'"', free)
         stop = len(raw) if q < 0 else q
         if stop - free > _PIECE:  # a long run between strings: maybe a flat array (token ids)
-            last = _cut_arrays(raw, free, stop, last, out, values, nonce, max_items)
+            last = _cut_arrays(raw, free, stop, last, out, values, base, max_items)
         if q < 0:
             break
         end = _string_end(raw, q)
         if end < 0:  # unterminated: let json say so
             return loads_text_json(raw)
-        if end - q > _PIECE:
+        if end - q > _PIECE and not _KEY_AFTER.match(raw, end + 1):  # a key stays where it is
             out.append(raw[last:q])
-            values[key := f"{nonce}s{len(values)}"] = _long_string(raw, q + 1, end)
-            out.append(b'"' + key.encode() + b'"')
+            key = base + len(values)
+            values[key], check = _long_string(raw, q + 1, end)
+            if check:
+                checks.add(key)
+            out.append(str(key).encode())
             last = end + 1
         free = end + 1
     if not values:
         return loads_text_json(raw)
     out.append(raw[last:])
-    try:
-        return _put_back(loads_text_json(b"".join(out)), values)
-    except RecursionError:
-        raise ValueError("JSON nested too deeply") from None
+    return _put_back(loads_text_json(b"".join(out)), values, checks)
 
 
 def _string_end(raw: bytes, q: int) -> int:
@@ -79,18 +88,27 @@ def _string_end(raw: bytes, q: int) -> int:
             return j
 
 
-def _long_string(raw: bytes, a: int, b: int) -> str:
-    """The JSON string raw[a:b] (its text between the quotes), decoded _PIECE bytes at a time. A cut
-    never falls inside a UTF-8 sequence or an escape, nor between the two escapes of a surrogate
-    pair (each half alone would be refused as a lone surrogate)."""
-    parts = []
+def _long_string(raw: bytes, a: int, b: int) -> tuple[str, bool]:
+    """The JSON string raw[a:b] (its text between the quotes), decoded _PIECE bytes at a time, and
+    whether it may hold a lone surrogate (checked once it is known to be in the result: json lets one
+    through in a value a duplicate key drops). A cut never falls inside a UTF-8 sequence or an escape,
+    nor between the two escapes of a surrogate pair (each half alone would be a lone surrogate)."""
+    parts, check = [], False
     while a < b:
         p = min(a + _PIECE, b)
-        while p < b and not _cut_ok(raw, p, a):
+        seek = min(p + _SEEK, b)
+        while p < seek and not _cut_ok(raw, p, a):
             p += 1
-        parts.append(_loads_piece(b'"' + raw[a:p] + b'"', a - 1))
+        if p == seek:  # no place to cut near the piece's end (escapes back to back): the rest at once
+            p = b
+        piece = raw[a:p]
+        check = check or b"\\u" in piece or b"\xed" in piece
+        try:
+            parts.append(json.loads(b'"' + piece + b'"'))
+        except ValueError as e:
+            raise ValueError(f"{getattr(e, 'msg', e)} (byte {a - 1 + getattr(e, 'pos', 0)})") from None
         a = p
-    return "".join(parts)
+    return "".join(parts), check
 
 
 def _cut_ok(raw: bytes, p: int, a: int) -> bool:
@@ -101,26 +119,37 @@ def _cut_ok(raw: bytes, p: int, a: int) -> bool:
                              and raw[p - 3] in _HIGH2)
 
 
-def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, nonce: str,
+def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, base: int,
                 max_items: int | None) -> int:
     """Cuts each long flat array (numbers and literals, no strings or nesting: a token-id list) out of
     raw[a:b], which holds no string; returns where the part of raw not yet in `out` starts."""
+    # a flat array over 2 pieces leaves an aligned piece with no bracket: none, nothing to cut (and no
+    # walk over a million short arrays)
+    if all(raw.find(b"[", w, w + _PIECE) >= 0 or raw.find(b"]", w, w + _PIECE) >= 0
+           for w in range(a, b - _PIECE, _PIECE)):
+        return last
+    nxt = dict.fromkeys(b"[]{}", -2)  # each bracket's next position found so far (-1: none left)
+
+    def next_of(c: int, i: int) -> int:  # each find resumes past the last: one pass over raw[a:b] in all
+        if 0 <= nxt[c] < i or nxt[c] == -2:
+            nxt[c] = raw.find(bytes((c,)), i, b)
+        return nxt[c]
+
     i = a
-    while True:
-        i = raw.find(b"[", i, b)
-        if i < 0:
-            return last
-        j = min((x for x in (raw.find(c, i + 1, b) for c in (b"[", b"]", b"{", b"}")) if x >= 0), default=-1)
+    while (i := next_of(0x5B, i)) >= 0:
+        j = min((x for x in (next_of(c, i + 1) for c in b"[]{}") if x >= 0), default=-1)
         if j < 0:
-            return last
+            break
         if raw[j] == 0x5D and j - i > _PIECE:  # "]": raw[i:j] holds scalars alone
-            if max_items is not None and (n := raw.count(b",", i, j) + 1) > max_items:
-                raise LongArray(n)
+            long = (max_items is not None and _PROMPT_BEFORE.search(raw, max(a - 16, 0), i)
+                    and (n := raw.count(b",", i, j) + 1) > max_items)
             out.append(raw[last:i])
-            values[key := f"{nonce}a{len(values)}"] = _flat_array(raw, i + 1, j)
-            out.append(b'"' + key.encode() + b'"')
+            key = base + len(values)
+            values[key] = LongArray(n) if long else _flat_array(raw, i + 1, j)
+            out.append(str(key).encode())
             last = j + 1
         i = j
+    return last
 
 
 def _flat_array(raw: bytes, a: int, b: int) -> list:
@@ -134,27 +163,41 @@ def _flat_array(raw: bytes, a: int, b: int) -> list:
         piece = raw[a:p]
         if (p < b or items) and not piece.strip():
             raise ValueError(f"Expecting value (byte {p})")
-        items += _loads_piece(b"[" + piece + b"]", a - 1)
+        try:
+            items += loads_text_json(b"[" + piece + b"]")
+        except ValueError as e:
+            raise ValueError(f"{getattr(e, 'msg', e)} (byte {a - 1 + getattr(e, 'pos', 0)})") from None
         if p == b:
             return items
         a = p + 1
 
 
-def _loads_piece(piece: bytes, offset: int) -> Any:
-    try:
-        return loads_text_json(piece)
-    except ValueError as e:
-        pos = getattr(e, "pos", None)
-        if pos is None:
-            raise
-        raise ValueError(f"{e.msg} (byte {offset + pos})") from None
+def _put_back(value: Any, values: dict, checks: set) -> Any:
+    """`value` with each placeholder int replaced by its string or list (in place, without recursion:
+    a body may nest as deep as json allows)."""
+    def sub(v):
+        if type(v) is int and v in values:
+            if v in checks:
+                _check_text(values[v])
+            return values[v]
+        if isinstance(v, (list, dict)):
+            stack.append(v)
+        return v
 
-
-def _put_back(value: Any, values: dict) -> Any:
-    if isinstance(value, str):
-        return values.pop(value, value) if value in values else value
-    if isinstance(value, list):
-        return [_put_back(v, values) for v in value]
-    if isinstance(value, dict):
-        return {_put_back(k, values): _put_back(v, values) for k, v in value.items()}
+    stack = []
+    value = sub(value)
+    while stack:
+        c = stack.pop()
+        if isinstance(c, list):
+            for i, v in enumerate(c):
+                c[i] = sub(v)
+        else:
+            for k, v in c.items():
+                c[k] = sub(v)
     return value
+
+
+def _check_text(s: str) -> None:
+    """ValueError for a lone surrogate (no UTF-8 text can carry one), as loads_text_json refuses it."""
+    for i in range(0, len(s), _PIECE):  # a str holds no surrogate pairs (json joins them): any cut will do
+        s[i:i + _PIECE].encode("utf-8")

@@ -72,8 +72,8 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
     over the limit or late is answered (413, 408) and the rest of it never read (Connection: close).
     Parsing a large body runs off the event loop, and `parse` with it: what a handler does with a large
     body before it reaches the engine (validation, the chat template, tokenizing) goes in one hop to a
-    worker thread and back, ~120 us each. `max_items`: a body with a flat array of more numbers than
-    that is refused before that array is parsed (a prompt of more token ids than max_model_len)."""
+    worker thread and back, ~120 us each. `max_items`: a "prompt" of more token ids than that is left
+    unparsed, a json_body.LongArray in its place."""
     limit = st.max_body_bytes
     cl = request.headers.get("content-length", "")
     if cl.isdigit() and int(cl) > limit:
@@ -98,10 +98,6 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
 def _parse_json(st: ServerState, raw: bytes, parse, max_items: int | None) -> Any:
     try:  # lone surrogates refused here, once, not wherever a string is encoded later
         body = loads_body(raw, max_items)
-    except LongArray as e:  # a prompt's token ids, or numbers the chat template would render: too many either way
-        raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, the request "
-                  f"holds a list of {e.n} numbers (token ids), more than fit. Please reduce the prompt.", None,
-                  "context_length_exceeded") from None
     except ValueError as e:
         raise bad(f"request body is not valid JSON: {e}"[:300]) from None
     return body if parse is None else parse(body)
@@ -378,6 +374,10 @@ async def completions(st: ServerState, request: Request) -> Response:
     t0 = trace.handler * 1e-9  # perf_counter()'s clock
 
     def prepare(body):  # where the body is read: off the event loop for a large one (many small prompts too)
+        if isinstance(body, dict) and isinstance(long := body.get("prompt"), LongArray):
+            _check_model(st, model_field(body))
+            raise bad(f"This model's maximum context length is {st.max_model_len} tokens. However, the prompt "
+                      f"has {long.n} token ids. Please reduce the prompt.", "prompt", "context_length_exceeded")
         req = parse_completion(body, st.defaults)
         trace.parsed = ns()  # JSON and the protocol's checks: a request now, not bytes
         _check_model(st, req.model)
@@ -520,7 +520,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
         trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
         return req, prompt, ids
 
-    req, prompt, ids = await _read_json(st, request, prepare, trace, st.max_model_len)
+    req, prompt, ids = await _read_json(st, request, prepare, trace)
     trace.stream = req.gen.stream
     n = req.gen.n
     group = await _submit(st, [ids] * n, choice_params(req.gen.sampling, n), "messages", trace)
