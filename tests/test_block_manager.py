@@ -79,7 +79,7 @@ def test_random_operations_keep_integrity():
             toks = [t for _ in range(rng.randint(1, 6)) for t in rng.choice(vocab)]
             hits = bm.match_prefix(toks, len(toks) // 4)
             partial = rng.random() < 0.3  # plus a partial block that never gets sealed
-            need = len(toks) // 4 - len(hits) + sum(bm.is_free(h) for h in hits) + partial
+            need = len(toks) // 4 - len(hits) + bm.num_free_among(hits) + partial
             if need > bm.num_free:
                 continue
             bm.acquire(hits)

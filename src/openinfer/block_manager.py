@@ -94,9 +94,6 @@ class BlockManager:
         blocks = self.blocks
         return sum(1 for bid in block_ids if blocks[bid].ref_count == 0)
 
-    def is_free(self, block_id: int) -> bool:
-        return self.blocks[block_id].ref_count == 0
-
     # ---- mutations ----
     def acquire(self, block_ids: Sequence[int]) -> None:
         """Takes a reference on cached blocks (prefix hits)."""

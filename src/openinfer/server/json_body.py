@@ -46,32 +46,46 @@ def loads_body(raw: bytes, max_items: int | None = None) -> Any:
     # A value longer than 2 pieces leaves a whole aligned piece without a quote: none, nothing to cut.
     if all(raw.find(b'"', i, i + _PIECE) >= 0 for i in range(0, len(raw) - _PIECE, _PIECE)):
         return loads_text_json(raw)
-    base = 10 ** 30 + secrets.randbits(96)  # the placeholders: base, base + 1, ...
-    out, values, checks = [], {}, set()
-    last = free = 0  # raw[last:] is not in `out` yet; raw[free:] starts outside any string
+    cuts = _Cuts(raw)
+    free = 0  # raw[free:] starts outside any string
     while True:
         q = raw.find(b'"', free)
         stop = len(raw) if q < 0 else q
         if stop - free > _PIECE:  # a long run between strings: maybe a flat array (token ids)
-            last = _cut_arrays(raw, free, stop, last, out, values, base, max_items)
+            _cut_arrays(raw, free, stop, cuts, max_items)
         if q < 0:
             break
         end = _string_end(raw, q)
         if end < 0:  # unterminated: let json say so
             return loads_text_json(raw)
         if end - q > _PIECE and not _KEY_AFTER.match(raw, end + 1):  # a key stays where it is
-            out.append(raw[last:q])
-            key = base + len(values)
-            values[key], check = _long_string(raw, q + 1, end)
+            text, check = _long_string(raw, q + 1, end)
+            key = cuts.take(q, end + 1, text)
             if check:
-                checks.add(key)
-            out.append(str(key).encode())
-            last = end + 1
+                cuts.checks.add(key)
         free = end + 1
-    if not values:
+    if not cuts.values:
         return loads_text_json(raw)
-    out.append(raw[last:])
-    return _put_back(loads_text_json(b"".join(out)), values, checks)
+    cuts.out.append(raw[cuts.last:])
+    return _put_back(loads_text_json(b"".join(cuts.out)), cuts.values, cuts.checks)
+
+
+class _Cuts:
+    """The body with its long values cut out: `out` (the parts kept, each cut value's placeholder in its
+    place) up to raw[last:], and the values by placeholder."""
+
+    def __init__(self, raw: bytes):
+        self.raw, self.out, self.last = raw, [], 0
+        self.values, self.checks = {}, set()  # checks: the strings to check for lone surrogates
+        self.base = 10 ** 30 + secrets.randbits(96)  # the placeholders: base, base + 1, ...
+
+    def take(self, start: int, end: int, value) -> int:
+        """raw[start:end] is `value`: its placeholder goes in its place."""
+        key = self.base + len(self.values)
+        self.values[key] = value
+        self.out += (self.raw[self.last:start], str(key).encode())
+        self.last = end
+        return key
 
 
 def _string_end(raw: bytes, q: int) -> int:
@@ -119,15 +133,14 @@ def _cut_ok(raw: bytes, p: int, a: int) -> bool:
                              and raw[p - 3] in _HIGH2)
 
 
-def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, base: int,
-                max_items: int | None) -> int:
+def _cut_arrays(raw: bytes, a: int, b: int, cuts: _Cuts, max_items: int | None) -> None:
     """Cuts each long flat array (numbers and literals, no strings or nesting: a token-id list) out of
-    raw[a:b], which holds no string; returns where the part of raw not yet in `out` starts."""
+    raw[a:b], which holds no string."""
     # a flat array over 2 pieces leaves an aligned piece with no bracket: none, nothing to cut (and no
     # walk over a million short arrays)
     if all(raw.find(b"[", w, w + _PIECE) >= 0 or raw.find(b"]", w, w + _PIECE) >= 0
            for w in range(a, b - _PIECE, _PIECE)):
-        return last
+        return
     nxt = dict.fromkeys(b"[]{}", -2)  # each bracket's next position found so far (-1: none left)
 
     def next_of(c: int, i: int) -> int:  # each find resumes past the last: one pass over raw[a:b] in all
@@ -143,13 +156,8 @@ def _cut_arrays(raw: bytes, a: int, b: int, last: int, out: list, values: dict, 
         if raw[j] == 0x5D and j - i > _PIECE:  # "]": raw[i:j] holds scalars alone
             long = (max_items is not None and _PROMPT_BEFORE.search(raw, max(a - 16, 0), i)
                     and (n := raw.count(b",", i, j) + 1) > max_items)
-            out.append(raw[last:i])
-            key = base + len(values)
-            values[key] = LongArray(n) if long else _flat_array(raw, i + 1, j)
-            out.append(str(key).encode())
-            last = j + 1
+            cuts.take(i, j + 1, LongArray(n) if long else _flat_array(raw, i + 1, j))
         i = j
-    return last
 
 
 def _flat_array(raw: bytes, a: int, b: int) -> list:

@@ -92,10 +92,10 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
     request.state.body_bytes = size
     if trace is not None:  # the last of the body is in: what a slow client costs stays in `body`
         trace.body = ns()
-    return await _off_loop(size, _parse_json, st, b"".join(chunks), parse, max_items)
+    return await _off_loop(size, _parse_json, b"".join(chunks), parse, max_items)
 
 
-def _parse_json(st: ServerState, raw: bytes, parse, max_items: int | None) -> Any:
+def _parse_json(raw: bytes, parse, max_items: int | None) -> Any:
     try:  # lone surrogates refused here, once, not wherever a string is encoded later
         body = loads_body(raw, max_items)
     except ValueError as e:
