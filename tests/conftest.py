@@ -1,6 +1,8 @@
 """Shared CPU fixtures: one tiny random checkpoint per session (real vocab, 4 layers)."""
 from __future__ import annotations
 
+import gc
+import sys
 import time
 
 import numpy as np
@@ -14,6 +16,28 @@ from openinfer.tokenizer import Tokenizer
 from openinfer.tools.random_checkpoint import hf_config, write_checkpoint
 
 from cli_util import command_env
+
+
+# A CUDA context (torch's, once the HF comparisons have run) stays for the process; a model does not.
+GPU_MODULE_SLACK_BYTES = 1 << 30
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_module_frees_what_it_took(request):
+    """The GPU suite runs in one process: a module that leaves an engine (or torch's cache) resident fails
+    here, at its own end, instead of starving every module after it of memory."""
+    from gpu_util import NO_GPU, device_used_bytes
+    if NO_GPU is not None or request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    before = device_used_bytes()
+    yield
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    left = device_used_bytes() - before
+    assert left < GPU_MODULE_SLACK_BYTES, f"{request.node.name} left {left / (1 << 30):.2f} GiB in use on the GPU"
 
 
 @pytest.fixture(scope="session")

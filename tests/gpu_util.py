@@ -21,6 +21,13 @@ NO_GPU = _why_no_gpu()
 requires_gpu = [pytest.mark.gpu, pytest.mark.skipif(NO_GPU is not None, reason=f"GPU test: {NO_GPU}")]
 
 
+def device_used_bytes() -> int:
+    """Bytes in use on device 0, every process's (cudaMemGetInfo)."""
+    from openinfer import _engine
+    free, total = _engine.mem_get_info()
+    return total - free
+
+
 def rand_bf16(rng: np.random.Generator, shape, scale: float = 1.0) -> np.ndarray:
     """Random bf16 bits (uint16) and never zeros: zeros hide unwritten outputs."""
     return f32_to_bf16((rng.standard_normal(shape, dtype=np.float32) * np.float32(scale)))

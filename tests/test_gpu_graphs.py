@@ -37,7 +37,7 @@ def engine(tmp_path_factory):
     eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=8192, max_num_seqs=256,
                            gpu_memory_utilization=0.45)
     yield eng
-    del eng
+    eng.close()
 
 
 def _decode_batch(backend, B, rng, next_block, lens=None):

@@ -214,10 +214,11 @@ def test_decode_key_warps_equal_one_warp_blocks(model, case):
             assert rel_err(got[True], got[False]) < TOL["attention"] / 2, (cap, splits)
 
 
-@pytest.mark.parametrize("batch", [1, 3, 64, 256])
-@pytest.mark.parametrize("ctx", [1, 17, 1024, 8191])
+@pytest.mark.parametrize("batch,ctx", [(b, c) for b in (1, 3, 64, 256) for c in (1, 17, 1024, 8191)
+                                       if (b, c) != (256, 8191)])
 def test_split_attention_equals_single_pass(batch, ctx):
-    """Flash-decoding splits must compute the same function as one pass (4B geometry)."""
+    """Flash-decoding splits must compute the same function as one pass (4B geometry). Not 256 x 8191:
+    its grid fills the GPU with one split (nothing to compare) and its reference took 99 s of the suite."""
     _, _, nH, nKV = SHAPES["4b"]
     rng = np.random.default_rng(batch * 100003 + ctx)
     lens = rng.integers(max(1, ctx // 2), ctx + 1, batch)

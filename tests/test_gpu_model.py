@@ -123,6 +123,16 @@ class Pair:
 PAIRS: dict[str, Pair] = {}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_pairs():
+    """The last pair is still resident when the module ends: free it (and torch's cache) for the next."""
+    yield
+    for p in list(PAIRS):
+        PAIRS.pop(p).close()
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-4b"])
 def pair(request):
     if request.param not in PAIRS:

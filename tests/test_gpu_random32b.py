@@ -23,9 +23,9 @@ def test_random_load_runs_32b(tmp_path):
     src = Path(openinfer.__file__).parent / "data" / "qwen3-tokenizer"
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / f, d / f)
-    eng = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096)
-    out = eng.generate(["The capital of France is"], openinfer.SamplingParams(max_tokens=16, temperature=0.0,
-                                                                              ignore_eos=True, logprobs=2))[0]
+    with openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=4096) as eng:
+        out = eng.generate(["The capital of France is"], openinfer.SamplingParams(max_tokens=16, temperature=0.0,
+                                                                                  ignore_eos=True, logprobs=2))[0]
     assert len(out.token_ids) == 16 and out.finish_reason == "length"
     lps = [lp.logprob for lp in out.logprobs]
     assert len(lps) == 16 and all(np.isfinite(lps)) and max(lps) <= 0.0

@@ -75,6 +75,7 @@ def server(model_dir):
     srv.engine = engine
     yield srv
     srv.stop()
+    engine.close()
 
 
 @pytest.fixture(scope="module")

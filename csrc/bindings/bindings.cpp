@@ -162,6 +162,11 @@ PYBIND11_MODULE(_engine, m) {
     }
     return n;
   }, "number of visible CUDA devices (0 when there is no driver or GPU)");
+  m.def("mem_get_info", [] {
+    size_t free_b = 0, total_b = 0;
+    OI_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    return py::make_tuple(free_b, total_b);
+  }, "(free, total) bytes of device 0, as cudaMemGetInfo reports them (every process's allocations count)");
   m.def("profiler_start", [] { OI_CUDA_CHECK(cudaProfilerStart()); }, "start the profiler's capture (ncu --profile-from-start off)");
   m.def("profiler_stop", [] { OI_CUDA_CHECK(cudaProfilerStop()); });
   m.def("build_info", [] {

@@ -10,6 +10,15 @@
 namespace oi {
 
 Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_(opt) {
+  try {
+    init();
+  } catch (...) {  // a throwing constructor runs no destructor: free what was allocated (a 32B OOM held 60 GiB)
+    release();
+    throw;
+  }
+}
+
+void Engine::init() {
   int count = 0;
   const cudaError_t e = cudaGetDeviceCount(&count);
   if (e != cudaSuccess || count == 0) {
@@ -39,7 +48,9 @@ Engine::Engine(const ModelDims& dims, const EngineOptions& opt) : d_(dims), opt_
   rope_table_init(rope_, rope_rows, d_.head_dim, d_.rope_theta, stream_);
 }
 
-Engine::~Engine() {
+Engine::~Engine() { release(); }
+
+void Engine::release() noexcept {
   if (stream_) cudaStreamSynchronize(stream_);
   for (cudaStream_t s : {save_stream_, load_stream_})
     if (s) cudaStreamSynchronize(s);

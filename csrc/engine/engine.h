@@ -88,6 +88,8 @@ class Engine {
   bool persistent_capable() const { return w_.dev_layers != nullptr; }
 
  private:
+  void init();              // the constructor's work
+  void release() noexcept;  // frees everything allocated so far (the destructor, or a constructor that threw)
   struct Pending {
     bool graph = false;
     bool copies_only = false;  // a step of no tokens: nothing to wait for

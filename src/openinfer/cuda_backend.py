@@ -95,6 +95,13 @@ class CudaBackend:
         self.model_config = m
         t0 = time.perf_counter()
         self.eng = _engine.Engine(m, c, _cublaslt_hint(), c.max_num_seqs * (1 + spec_tokens))
+        try:
+            self._build(m, c, t0)
+        except BaseException:  # free the GPU now: a traceback kept by the caller (pytest) would hold it
+            self.close()
+            raise
+
+    def _build(self, m: ModelConfig, c: EngineConfig, t0: float) -> None:
         if c.drafter_config is not None:
             self._load_drafter(c)
         if c.load_format == "random":
