@@ -129,7 +129,7 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
             --out "$OUT/path.json" | tail -26 ;;
     gpusuite) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
-                python3 -m pytest -q -rfE --durations=25 -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpusuite.log" | tail -45 ;;
+                python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpusuite.log" | tail -45 ;;
     overload) need_4b && python3 bench/overload.py --serve-args "--model-path $CKPT4B --log-level warning" \
             --factor ${OVERLOAD_FACTOR:-2} --seconds 60 --out "$OUT/overload.json" | tail -4 ;;
     *) echo "unknown stage $stage" ;;
