@@ -15,7 +15,9 @@
 # decode steps greedy and at the releases' default sampling, for .alt/ if present and this tree), options
 # (bench_engine A/B of EngineConfig OPTIONS over PRESETS and BATCHES), engine_ab (bench_engine 4B 1/8/64 and 8B 1
 # for .alt/ and this tree, twice alternated), greedy_ab (greedy tokens of a fixed prompt set, both trees),
-# hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments), spec
+# hosttier (bench/host_tier_bench.py ttft, multiturn and decode; HT_ARGS are extra arguments), hostab (the
+# restore TTFT table at HT_LENGTHS and the 16k breakdown for the tree in .alt/ and this one), prefill_ab
+# (bench_engine prefill of PREFILL_LENS tokens, .alt/ and this tree alternated twice), spec
 # (bench/spec_bench.py: 4B round costs with random DSpark-7 and DFlash-16 drafters, TPOT at controlled
 # acceptance tau 1..8 at concurrency 1/4/8, the projection at DSpark-4B's published tau; 8B round costs;
 # SPEC_ARGS are extra arguments to the rounds runs; 4 JSON files), soak (bench/soak.py: SOAK_MINUTES, default 8, of
@@ -70,6 +72,19 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
                 python3 bench/host_tier_bench.py $m --model-path "$(python3 -c 'import sys; sys.path.insert(0, "bench"); from bench_engine import model_dir; print(model_dir("qwen3-4b"))')" \
                   --out "$OUT/host_tier_$m.json" --log-dir /tmp/htlogs ${HT_ARGS:-} 2>>"$OUT/host_tier.log" | tail -12
               done ;;
+    hostab) need_4b && for tree in alt this; do  # .alt/ from bench/alt_tree.sh REV, carried: restore TTFT A/B
+              PP=$PYTHONPATH; [ $tree = alt ] && PP=$PWD/.alt/src:/tmp/site:$PWD/tests:$PWD/bench
+              PYTHONPATH=$PP python3 bench/host_tier_bench.py ttft --model-path "$CKPT4B" --host-gib 8 \
+                --lengths ${HT_LENGTHS:-1024,4096,16384} --out "$OUT/ttft_$tree.json" --log-dir /tmp/htlogs 2>>"$OUT/host_tier.log" | tail -5
+              PYTHONPATH=$PP python3 bench/ttft_breakdown.py --lengths 16384 --reps 3 --out "$OUT/breakdown_$tree.json" | tail -2
+            done ;;
+    prefill_ab) for tree in alt this alt this; do  # .alt/ as for hostab: prefill steps of one prompt, both trees
+                  PP=$PYTHONPATH; [ $tree = alt ] && PP=$PWD/.alt/src:/tmp/site:$PWD/tests:$PWD/bench
+                  for n in ${PREFILL_LENS:-1024 8192}; do
+                    PYTHONPATH=$PP python3 bench/bench_engine.py --preset qwen3-4b --batches 1 --prefill-len $n \
+                      --out "$OUT/prefill_${tree}_$n.json" | grep -i prefill
+                  done
+                done ;;
     bench) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --out "$OUT/engine_4b.json" | tail -6
            python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8 --sampling qwen \
              --out "$OUT/engine_4b_qwen_sampling.json" | grep "decode " 
