@@ -125,12 +125,11 @@ PAIRS: dict[str, Pair] = {}
 
 @pytest.fixture(scope="module", autouse=True)
 def _close_pairs():
-    """The last pair is still resident when the module ends: free it (and torch's cache) for the next."""
+    """The last pair is still resident when the module ends: close it (conftest then empties torch's cache
+    and checks what the module left on the GPU)."""
     yield
     for p in list(PAIRS):
         PAIRS.pop(p).close()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 @pytest.fixture(scope="module", params=["qwen3-0.6b", "qwen3-4b"])
