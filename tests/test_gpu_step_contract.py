@@ -99,6 +99,37 @@ def test_copies_ride_with_a_step_and_refuse_bad_blocks(engine):
     assert be.eng.pending == 0
 
 
+@pytest.mark.parametrize("layout", ["adjacent", "scattered"])
+def test_a_chunk_reads_its_restore_in_the_same_launch(engine, layout):
+    """kv_load_wait: a 2,048-token prefix loaded from the host and a 5-token chunk that attends to it, in one
+    launch; the loads go layer group by layer group (adjacent blocks: one DMA per layer; 128 scattered ones:
+    32 groups) and layer l waits for its group. The logits equal those of the same chunk over the blocks
+    the prefix was computed in, bit for bit."""
+    be = engine.llm_engine.backend
+    rng = np.random.default_rng(5)
+    src = _prefill(be, 2048, 1, rng)  # blocks 1..129: the prefix's 128 and the chunk's
+    be.step(_copies(save=[(b, i) for i, b in enumerate(src[:128])]))
+    be.wait_copies()
+    dst = list(range(300, 428)) if layout == "adjacent" else list(range(599, 471, -1))
+    chunk = rng.integers(0, 151643, 5).astype(np.int32)
+    pos = np.arange(2048, 2053, dtype=np.int32)
+
+    def step(prefix_blocks, tail, **kw):
+        bt = np.array([prefix_blocks + [tail]], np.int32)
+        return be.step(StepInput(
+            input_ids=chunk, positions=pos, query_start_loc=np.array([0, 5], np.int32),
+            context_lens=np.array([2053], np.int32), block_tables=bt, slot_mapping=(tail * 16 + pos % 16).astype(np.int32),
+            sample_idx=np.arange(5, dtype=np.int32), temperature=np.zeros(5, np.float32), top_p=np.ones(5, np.float32),
+            top_k=np.zeros(5, np.int32), seeds=np.zeros(5, np.uint64), return_logits=True, **kw))
+    want = step(src[:128], src[128]).logits
+    got = step(dst, 440 if layout == "adjacent" else 460, kv_load=np.array([(i, b) for i, b in enumerate(dst)], np.int32),
+               kv_load_wait=True).logits
+    np.testing.assert_array_equal(got, want)
+    be.wait_copies()
+    for i in (0, 77, 127):
+        np.testing.assert_array_equal(be.eng.read_kv_block(dst[i]), be.eng.read_kv_block(src[i]))
+
+
 def test_host_restore_generates_what_a_gpu_hit_generates(engine):
     """A prompt served cold (its blocks saved), then as a GPU prefix hit, then, with the GPU prefix cache
     dropped, restored from the host tier: the last two compute the same suffix on the same K/V bytes, so

@@ -146,6 +146,66 @@ def test_host_restore_equals_gpu_hit_equals_cold(engine_of, overlap):
     assert st["kv_blocks_used"] == 0
 
 
+def _record_launches(eng) -> list:
+    """(kv_load_wait, loads, tokens, sequences) of every launch from now on."""
+    seen, launch = [], eng.backend.launch
+
+    def record(step):
+        seen.append((step.kv_load_wait, len(step.kv_load), step.num_tokens, step.num_seqs))
+        launch(step)
+    eng.backend.launch = record
+    return seen
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_idle_restore_runs_its_chunk_in_the_launch_of_its_copies(engine_of, overlap):
+    """With nothing else to run, the restore's copies and the prompt's remaining chunk share one launch that
+    waits for the copies on the device (kv_load_wait). Copies land three launches late here unless a step
+    waits for them: a chunk that read its prefix before it landed would read zeros."""
+    p = toks(70)
+    cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None),
+               {"c": (p, GREEDY)})["c"]
+    eng = engine_of(enable_prefix_caching=False, overlap_steps=overlap)
+    run(eng, {"first": (p, GREEDY)})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    eng.backend.copy_latency = 3
+    eng.backend.kv_cache[:] = 0  # the restored prefix must come from the host
+    seen = _record_launches(eng)
+    assert run(eng, {"again": (p, GREEDY)})["again"] == cold
+    assert seen[0] == (True, 4, 70 - 64, 1), seen  # 4 blocks restored, the last 6 prompt tokens computed
+    assert not any(w for w, *_ in seen[1:])
+    assert eng.stats()["host_hit_tokens"] == 64
+
+
+def test_restore_beside_running_requests_waits_on_the_host(engine_of):
+    """A restore admitted while others decode rides with their step without holding it up (no
+    kv_load_wait); its chunk runs in a later step, after the copy has landed."""
+    p, other = toks(70), toks(20, 9000)
+    eng = engine_of(enable_prefix_caching=False)
+    run(eng, {"first": (p, GREEDY)})
+    eng.backend.wait_copies()
+    eng.scheduler.copies_landed(*eng.backend.copy_progress())
+    eng.backend.copy_latency = 2
+    long = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    eng.add_request("other", other, long)
+    for _ in range(3):
+        eng.step()  # other is decoding now
+    seen = _record_launches(eng)
+    eng.add_request("again", p, GREEDY)
+    out = {"again": [], "other": []}
+    while eng.has_unfinished():
+        for u in eng.step():
+            out[u.request_id] += u.new_token_ids
+        eng.scheduler.check_integrity()
+    with_loads = [x for x in seen if x[1]]
+    assert len(with_loads) == 1 and not with_loads[0][0], seen
+    assert not any(w for w, *_ in seen)
+    cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None),
+               {"c": (p, GREEDY)})["c"]
+    assert out["again"] == cold
+
+
 def test_restore_lands_the_saved_bytes(engine_of):
     eng = engine_of(enable_prefix_caching=False)
     p = toks(40)

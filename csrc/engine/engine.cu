@@ -66,7 +66,10 @@ void Engine::release() noexcept {
       if (e) cudaEventDestroy(e);
   }
   for (auto* q : {&saves_, &loads_})
-    for (const CopyBatch& c : *q) free_events_.insert(free_events_.end(), {c.start, c.end});
+    for (const CopyBatch& c : *q) {
+      free_events_.insert(free_events_.end(), {c.start, c.end});
+      free_events_.insert(free_events_.end(), c.groups.begin(), c.groups.end());
+    }
   for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   gemm_.reset();
   for (void* p : allocations_) cudaFree(p);
@@ -169,6 +172,7 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   m.num_logprobs = in.num_logprobs;
   m.attention = eager_kernels_.attention;
   m.gemv = eager_kernels_.gemv;
+  if (!layer_ready_.empty() && !drafter) m.layer_ready = layer_ready_.data();  // read while the forward is queued
   m.ids = (const int32_t*)put(in.input_ids, T * 4);
   m.positions = (const int32_t*)put(in.positions, T * 4);
   m.slots = (const int32_t*)put(in.slot_mapping, T * 4);
@@ -297,9 +301,18 @@ cudaEvent_t Engine::event() {
   return e;
 }
 
+// Calls a kv_load_wait restore may issue: it copies group-major in G groups of layers, one pitched DMA per
+// run of blocks and group (G = layers when the blocks come in few runs; fewer for scattered blocks, so that
+// a call still moves at least ~2.25 MiB / 4 and issuing stays ahead of the link).
+constexpr int64_t kMaxLoadCalls = 4096;
+
 // One DMA per run of blocks adjacent on both sides (a 16k-token restore: ~1k copies of one 2.25 MiB block,
 // fewer where the pool hands out neighbours), on the tier's own stream, after the steps launched before.
+// kv_load_wait: the loads go layer group by layer group (every block's layers [l0, l1), then the next
+// group), each group ending in an event that layer_ready_ hands to this launch's forward, so that layer l
+// computes while the later layers are still on the link.
 void Engine::issue_copies(const StepInput& in) {
+  layer_ready_.clear();
   if (in.n_kv_save == 0 && in.n_kv_load == 0) return;
   cudaEvent_t after = event();  // everything launched before this step (its forward comes later)
   OI_CUDA_CHECK(cudaEventRecord(after, stream_));
@@ -314,18 +327,42 @@ void Engine::issue_copies(const StepInput& in) {
     c.end = event();
     OI_CUDA_CHECK(cudaStreamWaitEvent(s, after, 0));
     OI_CUDA_CHECK(cudaEventRecord(c.start, s));
+    std::vector<std::pair<int64_t, int64_t>> runs;  // (first pair, blocks)
     for (int64_t i = 0; i < n;) {
       const int32_t a = pairs[2 * i], b = pairs[2 * i + 1];  // (source, destination)
       int64_t j = i + 1;
       while (j < n && pairs[2 * j] == a + (j - i) && pairs[2 * j + 1] == b + (j - i)) ++j;
-      const size_t bytes = (size_t)(j - i) * bb;
-      if (save)
-        OI_CUDA_CHECK(cudaMemcpyAsync(host_kv_ + (int64_t)b * bb, dev + (int64_t)a * bb, bytes, cudaMemcpyDeviceToHost, s));
-      else
-        OI_CUDA_CHECK(cudaMemcpyAsync(dev + (int64_t)b * bb, host_kv_ + (int64_t)a * bb, bytes, cudaMemcpyHostToDevice, s));
+      runs.emplace_back(i, j - i);
       i = j;
     }
+    const int L = d_.layers;
+    const int G = save || !in.kv_load_wait ? 1 : (int)std::clamp<int64_t>(kMaxLoadCalls / (int64_t)runs.size(), 1, L);
+    const int64_t lb = bb / L;  // one layer of a block
+    if (G > 1) layer_ready_.assign(L, nullptr);
+    for (int g = 0; g < G; ++g) {
+      const int l0 = g * L / G, l1 = (g + 1) * L / G;
+      const int64_t off = l0 * lb, width = (l1 - l0) * lb;  // the whole block when G == 1
+      for (const auto& [i, len] : runs) {
+        const int64_t a = pairs[2 * i], b = pairs[2 * i + 1];
+        if (save)
+          OI_CUDA_CHECK(cudaMemcpyAsync(host_kv_ + b * bb, dev + a * bb, (size_t)len * bb, cudaMemcpyDeviceToHost, s));
+        else if (G == 1)
+          OI_CUDA_CHECK(cudaMemcpyAsync(dev + b * bb, host_kv_ + a * bb, (size_t)len * bb, cudaMemcpyHostToDevice, s));
+        else  // rows: the run's blocks, pitch one block; the row is layers [l0, l1) of that block
+          OI_CUDA_CHECK(cudaMemcpy2DAsync(dev + b * bb + off, bb, host_kv_ + a * bb + off, bb, width, len,
+                                          cudaMemcpyHostToDevice, s));
+      }
+      if (G > 1) {
+        cudaEvent_t e = g + 1 < G ? event() : c.end;
+        if (g + 1 < G) {
+          OI_CUDA_CHECK(cudaEventRecord(e, s));
+          c.groups.push_back(e);
+        }
+        for (int l = l0; l < l1; ++l) layer_ready_[l] = e;
+      }
+    }
     OI_CUDA_CHECK(cudaEventRecord(c.end, s));
+    if (!save && in.kv_load_wait && G == 1) layer_ready_.assign(L, c.end);  // one group: every layer waits for all
     c.bytes = n * bb;
     q.push_back(c);
   };
@@ -353,6 +390,7 @@ void Engine::retire(std::deque<CopyBatch>& q, bool restore, bool block) {
       copy_stats_.saved_bytes += c.bytes;
     }
     free_events_.insert(free_events_.end(), {c.start, c.end});
+    free_events_.insert(free_events_.end(), c.groups.begin(), c.groups.end());
     q.pop_front();
   }
 }

@@ -207,10 +207,12 @@ class Engine {
   struct CopyBatch {
     int64_t launch = 0, bytes = 0;
     cudaEvent_t start = nullptr, end = nullptr;
+    std::vector<cudaEvent_t> groups;  // kv_load_wait: the end of each group of layers (layer_ready_ points here)
   };
   std::deque<CopyBatch> saves_, loads_;  // issued, not yet seen landed, in launch order
   std::vector<cudaEvent_t> free_events_;
   int64_t launches_ = 0;  // launches so far (the number of the latest)
+  std::vector<cudaEvent_t> layer_ready_;  // per layer, for the launch being issued (kv_load_wait), else empty
   CopyStats copy_stats_;
   cudaEvent_t event();
   void retire(std::deque<CopyBatch>& q, bool restore, bool block);

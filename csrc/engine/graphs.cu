@@ -125,7 +125,7 @@ bool Engine::launch_graph(const StepInput& in) {
   // Logits only eagerly (tests compare a bucket's kernels through them; a graph has no copy for them).
   const int B = in.B();
   if (graphs_.empty() || in.T() != B || in.S() != B || in.num_logprobs != 0 || (in.return_logits && !in.force_eager) ||
-      in.verify || in.n_tap_layers > 0)
+      in.verify || in.n_tap_layers > 0 || in.kv_load_wait)  // a graph has no per-layer waits
     return false;
   const Graph* g = nullptr;
   for (const auto& c : graphs_)

@@ -35,7 +35,8 @@ namespace oi {
   X(int, num_logprobs)     \
   X(bool, return_logits)   \
   X(bool, verify)          \
-  X(bool, force_eager)
+  X(bool, force_eager)     \
+  X(bool, kv_load_wait)
 
 // One step's inputs as host pointers into the caller's arrays (valid for the call). n_<name> is the
 // element count of each array (pairs for kv_save/kv_load, rows for block_tables).

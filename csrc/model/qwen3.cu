@@ -109,6 +109,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
     persistent_layers(pa, num_sms, s);
   }
   for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
+    if (m.layer_ready && m.layer_ready[l]) OI_CUDA_CHECK(cudaStreamWaitEvent(s, m.layer_ready[l], 0));
     decoder_layer(d, w.layers[l], l, a, at, T, m.positions, m.slots, m.fuse_rope, gemm, num_sms, m.gemv, s);
     if (m.tap_slot && m.tap_slot[l] >= 0)  // x is now the residual stream after layer l (HF hidden_states[l + 1])
       gather_rows(a.x, m.tap_rows, m.out_taps + (int64_t)m.tap_slot[l] * H, m.num_tap_rows, H, s, (int64_t)m.num_taps * H);

@@ -78,6 +78,9 @@ struct StepMeta {
   const int32_t* ctx_rows;
   bf16* ctx_feats;
   uint64_t* trace;  // persistent_layers() profiling buffer, or null
+  // A restore and the chunk that reads it in one launch: layer l starts after layer_ready[l] (host, [layers];
+  // null entries do not wait), the event after which layer l of every loaded block is on the device. Else null.
+  const cudaEvent_t* layer_ready;
 };
 
 // One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise

@@ -55,6 +55,7 @@ def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
         prev_rows=np.array([it.feed_row for it in items], dtype=np.int32) if fed else None,
         kv_save=np.array(batch.kv_save, dtype=np.int32).reshape(-1, 2),
         kv_load=np.array(batch.kv_load, dtype=np.int32).reshape(-1, 2),
+        kv_load_wait=batch.kv_load_wait,
         verify=verify,
         draft=np.array([it.draft for it in items], dtype=np.int32) if any(it.draft for it in items) else None,
     )

@@ -145,6 +145,7 @@ class ScheduledBatch:
     items: list[ScheduledSeq] = field(default_factory=list)
     kv_save: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[Restore] = field(default_factory=list)
+    kv_load_wait: bool = False  # its chunks read what its restores bring (StepInput.kv_load_wait)
     launch: int = 0  # the backend's number of the launch that carried it (set by the engine)
     # perf_counter_ns at the backend call, when its output reached the host, after postprocess() (set by the
     # runner and the engine; the server's path trace reads them for a request's first token)
@@ -311,6 +312,14 @@ class Scheduler:
             self.waiting.popleft()
             if not seq.restoring:
                 budget -= self._add_chunk(batch, seq, budget, seq.num_computed)
+        if prev is None and not batch.items and batch.restores:
+            # Nothing else runs: the restored prompts' next chunks go in this launch, their layers waiting on
+            # the device for the copies (the forward trails the link) instead of a step after the host sees
+            # them land. With anything else in the step it would wait too: then restores land first.
+            for r in batch.restores:
+                if budget > 0 and r.seq.num_computed < r.seq.num_prompt:
+                    budget -= self._add_chunk(batch, r.seq, budget, r.seq.num_computed)
+            batch.kv_load_wait = bool(batch.items)
         in_backend = self.drafter is not None and self.drafter.in_backend
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
             it.draft = in_backend and it.seq.spec_k > 0 and it.num_rows > 0
@@ -360,10 +369,12 @@ class Scheduler:
     # ---- the host tier ----
     def _restore(self, seq: Sequence, slots: list[int], batch: ScheduledBatch) -> None:
         """Device blocks for the host hits (taken from the sequence's promise), filled by copy."""
+        # held until the copy lands, even if the request goes first; ascending ids, so that blocks adjacent
+        # in the pool and in the tier (a prefix saved in one go) move in one copy
+        bids = sorted(self.bm.allocate() for _ in slots)
+        self.bm.acquire(bids)
         pairs = []
-        for slot in slots:
-            bid = self.bm.allocate()
-            self.bm.acquire([bid])  # held until the copy lands, even if the request goes first
+        for slot, bid in zip(slots, bids):
             self.tier.pin(slot)
             pairs.append((slot, bid))
         batch.restores.append(Restore(seq, pairs, len(seq.block_table)))

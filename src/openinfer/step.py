@@ -56,6 +56,10 @@ class StepInput:
     # the block it fills). Neither waits for, nor delays, this step's forward.
     kv_save: np.ndarray = field(default_factory=_pairs)   # int32 [N, 2] (device block, host slot)
     kv_load: np.ndarray = field(default_factory=_pairs)   # int32 [N, 2] (host slot, device block)
+    # ... except with kv_load_wait: this step's forward reads what its loads bring (a restore and the chunk
+    # after it in one launch), so layer l waits for layer l of every loaded block; the loads then go layer
+    # group by layer group, the forward trailing the link. Whatever else the step holds waits with it.
+    kv_load_wait: bool = False
     force_eager: bool = False    # tests: a decode bucket without its CUDA graph
 
     @property

@@ -65,7 +65,8 @@ class ReferenceBackend:
         self._launches += 1
         if len(step.kv_save) or len(step.kv_load):
             self._copies.append((self._launches, np.asarray(step.kv_save), np.asarray(step.kv_load)))
-        self._land(self._launches - self.copy_latency)
+        # kv_load_wait: this step reads what its loads bring (the GPU orders it layer by layer)
+        self._land(self._launches if step.kv_load_wait else self._launches - self.copy_latency)
         out = self._run(step, ids)
         self._last = out
         self._pending.append(out)
