@@ -103,7 +103,7 @@ def test_copies_ride_with_a_step_and_refuse_bad_blocks(engine):
 def test_a_chunk_reads_its_restore_in_the_same_launch(engine, layout):
     """kv_load_wait: a 2,048-token prefix loaded from the host and a 5-token chunk that attends to it, in one
     launch; the loads go layer group by layer group (adjacent blocks: one DMA per layer; 128 scattered ones:
-    32 groups) and layer l waits for its group. The logits equal those of the same chunk over the blocks
+    4 groups of 9 layers, a DMA per block each) and layer l waits for its group. The logits equal those of the same chunk over the blocks
     the prefix was computed in, bit for bit."""
     be = engine.llm_engine.backend
     rng = np.random.default_rng(5)
@@ -122,9 +122,11 @@ def test_a_chunk_reads_its_restore_in_the_same_launch(engine, layout):
             sample_idx=np.arange(5, dtype=np.int32), temperature=np.zeros(5, np.float32), top_p=np.ones(5, np.float32),
             top_k=np.zeros(5, np.int32), seeds=np.zeros(5, np.uint64), return_logits=True, **kw))
     want = step(src[:128], src[128]).logits
+    waits = be.copy_stats()["layer_waits"]
     got = step(dst, 440 if layout == "adjacent" else 460, kv_load=np.array([(i, b) for i, b in enumerate(dst)], np.int32),
                kv_load_wait=True).logits
     np.testing.assert_array_equal(got, want)
+    assert be.copy_stats()["layer_waits"] - waits == 36  # every layer of the forward waited for its group
     be.wait_copies()
     for i in (0, 77, 127):
         np.testing.assert_array_equal(be.eng.read_kv_block(dst[i]), be.eng.read_kv_block(src[i]))

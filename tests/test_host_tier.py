@@ -178,11 +178,12 @@ def test_idle_restore_runs_its_chunk_in_the_launch_of_its_copies(engine_of, over
     assert eng.stats()["host_hit_tokens"] == 64
 
 
-def test_restore_beside_running_requests_waits_on_the_host(engine_of):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_restore_beside_running_requests_waits_on_the_host(engine_of, overlap):
     """A restore admitted while others decode rides with their step without holding it up (no
     kv_load_wait); its chunk runs in a later step, after the copy has landed."""
     p, other = toks(70), toks(20, 9000)
-    eng = engine_of(enable_prefix_caching=False)
+    eng = engine_of(enable_prefix_caching=False, overlap_steps=overlap)
     run(eng, {"first": (p, GREEDY)})
     eng.backend.wait_copies()
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
@@ -199,7 +200,7 @@ def test_restore_beside_running_requests_waits_on_the_host(engine_of):
             out[u.request_id] += u.new_token_ids
         eng.scheduler.check_integrity()
     with_loads = [x for x in seen if x[1]]
-    assert len(with_loads) == 1 and not with_loads[0][0], seen
+    assert with_loads == [(False, 4, 1, 1)], seen  # other's decode row alone: the restored chunk waits
     assert not any(w for w, *_ in seen)
     cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None),
                {"c": (p, GREEDY)})["c"]

@@ -249,7 +249,8 @@ PYBIND11_MODULE(_engine, m) {
                                const Engine::CopyStats s = e.copy_stats();
                                return py::dict(py::arg("saved_bytes") = s.saved_bytes,
                                                py::arg("restored_bytes") = s.restored_bytes,
-                                               py::arg("restore_seconds") = s.restore_seconds);
+                                               py::arg("restore_seconds") = s.restore_seconds,
+                                               py::arg("layer_waits") = s.layer_waits);
                              })
       .def("read_kv_block", [](const Engine& e, int64_t b) { const auto v = e.read_kv_block(b); return to_numpy(v, {(py::ssize_t)v.size()}); })
       .def("read_host_block", [](const Engine& e, int64_t s) { const auto v = e.read_host_block(s); return to_numpy(v, {(py::ssize_t)v.size()}); })

@@ -121,8 +121,11 @@ void Engine::launch(const StepInput& in) {
                      "fed row " << b << " must be one token at index " << b);
     }
   }
-  issue_copies(in);  // before the forward: they wait for the steps launched before this one only
+  // Before the forward: they wait for the steps launched before this one only. kv_load_wait: enqueue()
+  // issues them after the step's inputs, and hands the forward their per-layer events.
+  if (!in.kv_load_wait) issue_copies(in);  // kv_load_wait steps are never graphs (launch_graph)
   if (!launch_graph(in)) pending_.push_back(enqueue(in, plan, kv_cache_));
+  layer_ready_.clear();
   last_launch_S_ = in.S();
   ++launches_;
 }
@@ -172,7 +175,6 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   m.num_logprobs = in.num_logprobs;
   m.attention = eager_kernels_.attention;
   m.gemv = eager_kernels_.gemv;
-  if (!layer_ready_.empty() && !drafter) m.layer_ready = layer_ready_.data();  // read while the forward is queued
   m.ids = (const int32_t*)put(in.input_ids, T * 4);
   m.positions = (const int32_t*)put(in.positions, T * 4);
   m.slots = (const int32_t*)put(in.slot_mapping, T * 4);
@@ -220,6 +222,15 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
 
   cudaEvent_t* ev = meta_ev_[slot];
   OI_CUDA_CHECK(cudaMemcpyAsync(dev, host, in_bytes, cudaMemcpyHostToDevice, stream_));
+  if (in.kv_load_wait && kv_cache == kv_cache_) {
+    // After the step's inputs: host-to-device copies of two streams may share a copy engine, and the
+    // forward must not wait behind the whole restore for its metadata.
+    issue_copies(in);
+    if (!layer_ready_.empty()) {
+      m.layer_ready = layer_ready_.data();  // read while the forward is queued
+      copy_stats_.layer_waits += (int64_t)layer_ready_.size();
+    }
+  }
   OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
   if (prev)  // fed rows are rows 0..B-1 at their own token index (checked in launch())
     feed_tokens(const_cast<int32_t*>(m.ids), prev, last_tokens_, B, stream_);
@@ -301,10 +312,10 @@ cudaEvent_t Engine::event() {
   return e;
 }
 
-// Calls a kv_load_wait restore may issue: it copies group-major in G groups of layers, one pitched DMA per
-// run of blocks and group (G = layers when the blocks come in few runs; fewer for scattered blocks, so that
-// a call still moves at least ~2.25 MiB / 4 and issuing stays ahead of the link).
-constexpr int64_t kMaxLoadCalls = 4096;
+// A kv_load_wait restore copies group-major in G groups of layers, one pitched DMA per run of blocks and
+// group: G = layers when the blocks come in few runs, fewer for scattered blocks, so that a call moves at
+// least kMinLoadCallBytes and issuing them (a few us each) stays well ahead of the link.
+constexpr int64_t kMaxLoadCalls = 4096, kMinLoadCallBytes = 512 << 10;
 
 // One DMA per run of blocks adjacent on both sides (a 16k-token restore: ~1k copies of one 2.25 MiB block,
 // fewer where the pool hands out neighbours), on the tier's own stream, after the steps launched before.
@@ -336,7 +347,9 @@ void Engine::issue_copies(const StepInput& in) {
       i = j;
     }
     const int L = d_.layers;
-    const int G = save || !in.kv_load_wait ? 1 : (int)std::clamp<int64_t>(kMaxLoadCalls / (int64_t)runs.size(), 1, L);
+    const int64_t nr = (int64_t)runs.size();
+    const int G = save || !in.kv_load_wait
+                      ? 1 : (int)std::clamp<int64_t>(std::min(kMaxLoadCalls / nr, n * bb / (nr * kMinLoadCallBytes)), 1, L);
     const int64_t lb = bb / L;  // one layer of a block
     if (G > 1) layer_ready_.assign(L, nullptr);
     for (int g = 0; g < G; ++g) {

@@ -62,6 +62,7 @@ class Engine {
   struct CopyStats {
     int64_t saved_bytes = 0, restored_bytes = 0;
     double restore_seconds = 0;  // device time of the landed restore batches
+    int64_t layer_waits = 0;     // kv_load_wait: layers of a forward that waited for their group of a restore
   };
   CopyStats copy_stats() const { return copy_stats_; }
   // Tests: one KV block's bytes (bf16 bits) on the device, or one host slot's.
