@@ -23,6 +23,12 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
+  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
   const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -204,6 +210,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     pos[h2] = r < rows ? a.positions[w.tok_start + r / group] : -1;
   }
   const bool warp_active = wrow < rows;
+  // Keys up to this position are visible to every row of the warp (-1: some row is past the item): a tile
+  // wholly below it and inside the range needs no mask.
+  const int warp_visible = __reduce_min_sync(0xffffffffu, min(pos[0], pos[1]));
   __syncthreads();
   uint32_t qf[kD / 16][4];
 #pragma unroll
@@ -241,24 +250,38 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       float s[kNT][4];
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
-#pragma unroll
-      for (int ks = 0; ks < kD / 16; ++ks)
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const bf16* kr = &sK[stage][nt * 8 + g][ks * 16 + 2 * c];
-          mma16816(s[nt], qf[ks], lds32(kr), lds32(kr + 8));
-        }
-      // mask, scale and the row max (a row's 16 values per tile live in one quad of lanes)
-      float mx[2] = {kNegInf, kNegInf};
+      // K is [key][dim] in smem: one ldmatrix.x4 gives the B fragments of an n-tile for two k-steps (lanes
+      // 8j..8j+7 address dims 8j.. of the tile's 8 keys). Each s[nt] still sums the k-steps in order.
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = k0 + nt * 8 + 2 * c + (e & 1), h2 = e >> 1;
-          const float v = (key < khi && key <= pos[h2]) ? s[nt][e] * scale_log2 : kNegInf;
-          s[nt][e] = v;
-          mx[h2] = fmaxf(mx[h2], v);
+        for (int ks = 0; ks < kD / 16; ks += 2) {
+          uint32_t b[4];
+          ldmatrix_x4(b, &sK[stage][nt * 8 + (lane & 7)][ks * 16 + (lane >> 3) * 8]);
+          mma16816(s[nt], qf[ks], b[0], b[1]);
+          mma16816(s[nt], qf[ks + 1], b[2], b[3]);
         }
+      // mask, scale and the row max (a row's 16 values per tile live in one quad of lanes)
+      float mx[2] = {kNegInf, kNegInf};
+      if (k0 + KT <= khi && k0 + KT - 1 <= warp_visible) {  // warp-uniform: the causal interior
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            s[nt][e] *= scale_log2;
+            mx[e >> 1] = fmaxf(mx[e >> 1], s[nt][e]);
+          }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int key = k0 + nt * 8 + 2 * c + (e & 1), h2 = e >> 1;
+            const float v = (key < khi && key <= pos[h2]) ? s[nt][e] * scale_log2 : kNegInf;
+            s[nt][e] = v;
+            mx[h2] = fmaxf(mx[h2], v);
+          }
+      }
       float alpha[2], base[2];
 #pragma unroll
       for (int h2 = 0; h2 < 2; ++h2) {
