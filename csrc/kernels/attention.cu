@@ -210,9 +210,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     pos[h2] = r < rows ? a.positions[w.tok_start + r / group] : -1;
   }
   const bool warp_active = wrow < rows;
-  // Keys up to this position are visible to every row of the warp (-1: some row is past the item): a tile
-  // wholly below it and inside the range needs no mask.
-  const int warp_visible = __reduce_min_sync(0xffffffffu, min(pos[0], pos[1]));
+  // Keys up to this position are visible to every row of the warp: a tile wholly below it and inside the
+  // range needs no mask. Rows past the item do not count (their Q rows are zeros, nothing reads their output).
+  const int warp_visible = __reduce_min_sync(0xffffffffu, min(pos[0] < 0 ? INT_MAX : pos[0], pos[1] < 0 ? INT_MAX : pos[1]));
   __syncthreads();
   uint32_t qf[kD / 16][4];
 #pragma unroll
