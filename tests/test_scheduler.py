@@ -164,6 +164,33 @@ def test_budget_rows_and_chunking(tokenizer):
     assert out == {f"r{i}": [1000 * (i + 1) + 40 + k for k in range(5)] for i in range(5)}  # the echo model
 
 
+def test_prompt_tokens_capped_while_requests_decode(tokenizer):
+    """A prompt alone takes the whole step budget; beside decoding requests it streams in chunks of at most
+    max_prefill_tokens_while_decoding, so that each of their steps stays short."""
+    bm = BlockManager(64, 16)
+    sched = Scheduler(bm, tokenizer, max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=256,
+                      max_waiting=64, max_prefill_tokens_while_decoding=40, eos_token_ids=(151645,))
+    runner = Run()
+    sched.add_request("a", prompt(300), SamplingParams(max_tokens=40, ignore_eos=True), 0)
+    first = sched.schedule()
+    assert [it.num_tokens for it in first.items] == [256]  # alone: the whole budget
+    sched.postprocess(first, runner.run(first))
+    sched.add_request("b", prompt(500, 5000), SamplingParams(max_tokens=4, ignore_eos=True), 0)
+    seen = []
+
+    def on_step(batch):
+        decoding = [it for it in batch.items if it.seq.num_computed >= it.seq.num_prompt]
+        prompt_tokens = sum(it.num_tokens for it in batch.items if it not in decoding)
+        seen.append((len(decoding), prompt_tokens))
+        assert prompt_tokens <= (40 if decoding else 256), (len(decoding), prompt_tokens)
+    out = {}
+    for u in run_all(sched, bm, runner, on_step=on_step):
+        out.setdefault(u.request_id, []).extend(u.new_token_ids)
+    assert out["a"] == [1300 + k for k in range(40)] and out["b"] == [5500 + k for k in range(4)]
+    # a's last 44 prompt tokens and b's first 212 while nobody decodes; then b's 288 beside a's decode rows
+    assert seen[0] == (0, 256) and seen[1:9] == [(1, 40)] * 7 + [(1, 8)], seen[:10]
+
+
 def test_stop_checks(tokenizer):
     sched, bm, runner = make(tokenizer)
     hello = tokenizer.encode("Hello")

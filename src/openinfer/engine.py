@@ -49,7 +49,7 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.block_manager, self.tokenizer, max_model_len=config.max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_waiting=config.max_waiting,
+            max_prefill_tokens_while_decoding=config.max_prefill_tokens_while_decoding, max_waiting=config.max_waiting,
             eos_token_ids=self.model_config.eos_token_ids or self.tokenizer.eos_token_ids, host_tier=self.host_tier,
             drafter=drafter)
         self.runner = Runner(self.backend, config.kv_block_size)

@@ -196,7 +196,7 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, tokenizer: Tokenizer, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-                 eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None, drafter=None):
+                 max_prefill_tokens_while_decoding: int | None = None, eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None, drafter=None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         self.bm = block_manager
@@ -205,6 +205,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_prefill_while_decoding = max_prefill_tokens_while_decoding or max_num_batched_tokens
         self.max_waiting = max_waiting
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -301,6 +302,8 @@ class Scheduler:
                 if it.sample and len(seq.token_ids) + 1 < seq.max_len:
                     batch.items.append(ScheduledSeq(seq, it.start + it.num_tokens, 1, True, feed_row=r))
                     budget -= 1
+        if batch.items:  # decode rows: what prompts add to this step delays each of their next tokens
+            budget = min(budget, self.max_prefill_while_decoding)
         for seq in self.running:  # prompts under way, in admission order
             start = done.get(id(seq), seq.num_computed)
             if start < seq.num_prompt and budget > 0 and not seq.restoring:
