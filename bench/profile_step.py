@@ -19,7 +19,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3-4b")
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--ctx", type=int, default=1024)
+    ap.add_argument("--ctx", type=int, default=1024, help="cached tokens before the profiled chunk (0: a cold "
+                    "prefill of --chunk tokens, e.g. --ctx 0 --chunk 1024)")
     ap.add_argument("--chunk", type=int, default=1, help="tokens per sequence in the profiled step (1: decode; "
                     "more: a prompt's last chunk after ctx cached tokens, e.g. a prefix-cache hit)")
     ap.add_argument("--graph", action="store_true", help="replay the decode CUDA graph (default: eager)")
@@ -39,6 +40,16 @@ def main() -> None:
         for p0 in range(0, a.ctx - 1, 8192):
             r.step([(s, p0, min(8192, a.ctx - 1 - p0))])
     n = a.chunk
+    if a.ctx == 0:  # a cold prefill: every step is the first chunk of new sequences (warm-ups plan the shapes)
+        for _ in range(3):
+            r.step([(r.alloc(n + 8), 0, n) for _ in range(a.batch)])
+        if a.trace is None:
+            fresh = [[r.alloc(n + 8) for _ in range(a.batch)] for _ in range(a.steps)]
+            _engine.profiler_start()
+            for group in fresh:
+                r.step([(s, 0, n) for s in group])
+            _engine.profiler_stop()
+            return
     for i in range(3):
         r.step([(s, a.ctx - 1 + i * n, n) for s in seqs])
     p0 = a.ctx - 1 + 3 * n
