@@ -36,11 +36,12 @@ class Outcomes:
     def __init__(self):
         self.done, self.refused, self.errors = [], [], []  # (sent s, TTFT or answer ms) / (sent, ms) / text
 
-    async def send(self, client, body: dict, t_run: float) -> None:
+    async def send(self, client, body: bytes, t_run: float) -> None:
         t0 = time.perf_counter()
         sent = t0 - t_run
-        try:
-            async with client.stream("POST", "/v1/completions", json=body) as r:
+        try:  # the body encoded beforehand and the events after the first read by substring: the client's
+            # own loop (thousands of SSE lines a second) must not be what delays the answers it times
+            async with client.stream("POST", "/v1/completions", content=body, headers=JSON_HEADERS) as r:
                 t_head = time.perf_counter()
                 if r.status_code == 503:
                     err = json.loads(await r.aread()).get("error") or {}
@@ -55,7 +56,7 @@ class Outcomes:
                 async for line in r.aiter_lines():
                     if line == "data: [DONE]":
                         break
-                    if line.startswith("data: "):
+                    if line.startswith("data: ") and (t_first is None or '"error"' in line):
                         ev = json.loads(line[6:])
                         if "error" in ev:
                             raise ValueError(f"error event {ev['error']}")
@@ -68,9 +69,20 @@ class Outcomes:
             self.errors.append(f"at {sent:.2f} s: {type(e).__name__}: {e}"[:300])
 
 
-def body_of(rng: random.Random, a) -> dict:
-    return {"prompt": [rng.randrange(1000, 100_000) for _ in range(a.prompt_len)], "max_tokens": a.output_len,
-            "ignore_eos": True, "stream": True, "temperature": 0}
+JSON_HEADERS = {"content-type": "application/json"}
+
+
+def body_of(rng: random.Random, a) -> bytes:
+    return json.dumps({"prompt": [rng.randrange(1000, 100_000) for _ in range(a.prompt_len)],
+                       "max_tokens": a.output_len, "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+
+
+async def loop_lag(samples: list, stop: asyncio.Event, period: float = 0.01) -> None:
+    """How late this client's event loop wakes (ms): a late loop delays the answers it times."""
+    while not stop.is_set():
+        t = time.perf_counter()
+        await asyncio.sleep(period)
+        samples.append((time.perf_counter() - t - period) * 1e3)
 
 
 async def saturation(client, a) -> float:
@@ -95,13 +107,21 @@ async def run(a, url: str, pid: int | None = None) -> dict:
                                  limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512)) as client:
         sat = a.saturation or await saturation(client, a)
         rate, rng, out, tasks = a.factor * sat, random.Random(a.seed), Outcomes(), set()
-        t0 = t_next = time.perf_counter()
-        while (t_next := t_next + rng.expovariate(rate)) < t0 + a.seconds:
-            await asyncio.sleep(max(0.0, t_next - time.perf_counter()))
-            task = asyncio.create_task(out.send(client, body_of(rng, a), t0))
+        gaps, t = [], 0.0
+        while (t := t + rng.expovariate(rate)) < a.seconds:
+            gaps.append(t)
+        bodies = [body_of(rng, a) for _ in gaps]
+        lag, stop_lag = [], asyncio.Event()
+        lag_task = asyncio.create_task(loop_lag(lag, stop_lag))
+        t0 = time.perf_counter()
+        for t_at, body in zip(gaps, bodies):
+            await asyncio.sleep(max(0.0, t0 + t_at - time.perf_counter()))
+            task = asyncio.create_task(out.send(client, body, t0))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         stuck = len((await asyncio.wait(tasks, timeout=a.stuck_s))[1]) if tasks else 0
+        stop_lag.set()
+        await lag_task
         deadline = time.perf_counter() + a.drain_s
         while True:
             try:
@@ -125,6 +145,7 @@ async def run(a, url: str, pid: int | None = None) -> dict:
             "ttft_ms": {"p50": pct([m for _, m in out.done], 0.5), "p99": pct([m for _, m in out.done], 0.99),
                         "p99_second_third": pct(ttft(third, 2 * third), 0.99),
                         "p99_last_third": pct(ttft(2 * third, a.seconds), 0.99)},
+            "client_loop_lag_ms": {"p50": pct(lag, 0.5), "p99": pct(lag, 0.99), "max": max(lag, default=None)},
             "refusal_ms": {"p50": pct([m for _, m in out.refused], 0.5), "p99": pct([m for _, m in out.refused], 0.99),
                            "max": max((m for _, m in out.refused), default=None)}}
 
@@ -161,7 +182,7 @@ def summary(doc: dict) -> str:
              f"({doc['done_rps']:.2f}/s), {doc['refused']} refused, {doc['errors_total']} errors",
              f"  TTFT of the admitted p50 / p99 {f(t['p50'])} / {f(t['p99'])} ms (p99 second third {f(t['p99_second_third'])}, "
              f"last third {f(t['p99_last_third'])}); 503 answered in p50 / p99 / max {f(r['p50'])} / {f(r['p99'])} / "
-             f"{f(r['max'])} ms"]
+             f"{f(r['max'])} ms; this client's loop late by p99 {f(doc.get('client_loop_lag_ms', {}).get('p99'))} ms"]
     return "\n".join(lines + ([f"FAIL: {w}" for w in doc["failures"]] or ["PASS"]))
 
 

@@ -118,6 +118,19 @@ def test_admission_counts_the_kv_of_all_but_the_last_token(tokenizer):
     assert max(running_together) == 2  # before: 3 blocks each reserved, so y waited for x
 
 
+def test_oldest_waiting_arrival_in_stats(tokenizer):
+    """The head of the FIFO waiting queue's arrival (the server's queue-wait bound); 0 when none waits."""
+    sched, *_ = make(tokenizer)
+    assert sched.stats().oldest_waiting_ns == 0
+    a = sched.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    sched.add_request("b", [1, 2, 3], SamplingParams(max_tokens=4), 0)
+    assert sched.stats().oldest_waiting_ns == a.t_arrived > 0
+    sched.abort("a")
+    assert sched.stats().oldest_waiting_ns == sched.requests["b"].t_arrived
+    sched.schedule()
+    assert sched.stats().num_waiting == 0 and sched.stats().oldest_waiting_ns == 0
+
+
 def test_queue_full(tokenizer):
     sched, *_ = make(tokenizer, max_waiting=2)
     sched.add_request("a", prompt(5), SamplingParams(max_tokens=2), 0)

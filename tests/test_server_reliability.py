@@ -228,6 +228,60 @@ def test_full_queue_is_503_at_once_with_retry_after_from_the_drain_rate(small):
     assert_idle(small)
 
 
+def test_queue_wait_bound_refuses_before_the_body_is_read(small):
+    """Under overload the queue is bounded by time too (--max-queue-wait): once the oldest waiting request
+    has waited longer than the bound, a new one gets a 503 at once, before its body is parsed (an
+    unparsable body proves it: 503, not 400), and the connection stays usable. The admitted ones
+    complete; when the queue is idle again the same body gets its 400."""
+    body = {"prompt": "go", "max_tokens": 150, "ignore_eos": True}
+    outs = []
+    threads = [threading.Thread(target=lambda: outs.append(
+        httpx.post(small.url + "/v1/completions", json=body, headers=AUTH, timeout=120))) for _ in range(2)]
+    ae = small.state.engine
+    old, ae.max_queue_wait = ae.max_queue_wait, 0.2  # test hook: the running request holds the other > 0.2 s
+    for t in threads:
+        t.start()
+    try:
+        assert wait_until(lambda: ae.stats.get("num_waiting") == 1, 20)
+        time.sleep(0.3)
+        with httpx.Client(timeout=10) as h:
+            h.get(small.url + "/health")
+            t0 = time.perf_counter()
+            r = h.post(small.url + "/v1/completions", content=b"{not json", headers=AUTH)
+            dt = time.perf_counter() - t0
+            again = h.get(small.url + "/health")  # the same connection, its unread body dropped
+            chat = h.post(small.url + "/v1/chat/completions", content=b"[", headers=AUTH)
+    finally:
+        for t in threads:
+            t.join(120)
+        ae.max_queue_wait = old
+    assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
+    assert "--max-queue-wait" in r.json()["error"]["message"] and int(r.headers["retry-after"]) >= 1
+    assert dt < 0.1, dt
+    assert again.status_code == 200 and chat.status_code == 503, chat.text
+    assert [o.status_code for o in outs] == [200] * 2
+    assert_idle(small)
+    r = httpx.post(small.url + "/v1/completions", content=b"{not json", headers=AUTH)
+    assert r.status_code == 400, r.text
+
+
+def test_busy_reasons():
+    """The 503 decision from the engine's snapshot: the count bound, then the head of the queue's wait;
+    an empty queue (a burst not yet admitted has a fresh head) and a bound of 0 never refuse by time."""
+    from types import SimpleNamespace
+    from openinfer.server.async_engine import AsyncEngine
+    ae = AsyncEngine(SimpleNamespace(scheduler=SimpleNamespace(max_waiting=4)), max_queue_wait=5.0)
+    now = time.perf_counter_ns()
+    ae.stats = {"num_waiting": 0, "oldest_waiting_ns": 0}
+    assert ae.busy(1) is None and "full (4 requests)" in ae.busy(5)
+    ae.stats = {"num_waiting": 3, "oldest_waiting_ns": now - 10**9}
+    assert ae.busy(1) is None and ae.busy(2) is not None
+    ae.stats = {"num_waiting": 1, "oldest_waiting_ns": now - 6 * 10**9}
+    assert "waited 6." in ae.busy(1)
+    ae.max_queue_wait = 0
+    assert ae.busy(1) is None
+
+
 # ----------------------------------------------------------------------------- item 7: limits, raw sockets
 
 

@@ -193,7 +193,8 @@ def _serve(argv: list[str] | None) -> int:
     log.info("engine ready in %.1f s (device=%s, max_model_len=%s)", time.perf_counter() - t0, cfg.device,
              cfg.max_model_len)
     app = build_app(engine, served_model_name=name, api_key=srv.api_key,
-                    max_body_bytes=int(srv.max_body_mib * (1 << 20)), body_read_timeout=srv.body_read_timeout)
+                    max_body_bytes=int(srv.max_body_mib * (1 << 20)), body_read_timeout=srv.body_read_timeout,
+                    max_queue_wait=srv.max_queue_wait)
     ae = app.state.openinfer.engine
 
     class _Server(uvicorn.Server):

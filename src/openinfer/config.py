@@ -368,6 +368,9 @@ class ServerConfig:
                                  "(default: $OPENINFER_API_KEY; unset: no key)")
     max_body_mib: float = option(8, "largest request body accepted in MiB (413 beyond)")
     body_read_timeout: float = option(30.0, "seconds a client has to send its whole request body (408 beyond)")
+    max_queue_wait: float = option(5.0, "seconds the oldest waiting request may have waited before new requests get "
+                                   "503 with Retry-After (bounds the TTFT of admitted requests under overload; 0: "
+                                   "only --max-waiting-requests bounds the queue)")
     shutdown_timeout: float = option(30.0, "on SIGTERM or Ctrl-C, seconds in-flight requests have to finish before "
                                      "they are ended with an error")
     log_level: str = option("info", "log level of the server and the engine", choices=LOG_LEVELS)
@@ -385,6 +388,9 @@ class ServerConfig:
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError("{%s} must be a positive number of seconds, got %r" % (name, v))
+        if not isinstance(self.max_queue_wait, (int, float)) or isinstance(self.max_queue_wait, bool) \
+                or not self.max_queue_wait >= 0:
+            raise ConfigError("{max_queue_wait} must be a number of seconds >= 0, got %r" % (self.max_queue_wait,))
         if self.log_level not in LOG_LEVELS:
             raise ConfigError("{log_level} must be one of " + ", ".join(LOG_LEVELS) + f", got {self.log_level!r}")
 

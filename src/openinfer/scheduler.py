@@ -95,6 +95,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.restoring = False  # host-tier blocks on their way in: no prefill until they land
         self.t_admitted = 0  # perf_counter_ns when admitted (the server's path trace)
+        self.t_arrived = time.perf_counter_ns()  # when it joined the waiting queue (the server's queue-wait bound)
         self._chain: PrefixChain | None = None
 
     @property
@@ -182,6 +183,7 @@ class SchedulerStats:
     generation_tokens: int
     num_finished: int
     num_admitted: int = 0  # requests that left the waiting queue for the batch (the server's drain rate)
+    oldest_waiting_ns: int = 0  # perf_counter_ns arrival of the request longest in the waiting queue (0: none)
     host_tier_blocks_total: int = 0
     host_tier_blocks_used: int = 0
     host_hit_tokens: int = 0  # prompt tokens restored from the host tier
@@ -566,6 +568,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         t = self.tier
         return SchedulerStats(num_running=len(self.running), num_waiting=len(self.waiting),
+                              oldest_waiting_ns=self.waiting[0].t_arrived if self.waiting else 0,  # FIFO
                               kv_blocks_total=self.bm.num_usable, kv_blocks_used=self.bm.num_used,
                               kv_blocks_free=self.bm.num_free, kv_blocks_cached=self.bm.num_cached,
                               kv_blocks_promised=self.promised_blocks(),

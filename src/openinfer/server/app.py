@@ -42,9 +42,10 @@ class _Entry:
 
 def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              chat_template: ChatTemplate | None = None, body_read_timeout: float = 30.0) -> Starlette:
+              chat_template: ChatTemplate | None = None, body_read_timeout: float = 30.0,
+              max_queue_wait: float = 5.0) -> Starlette:
     """The ASGI app over a constructed LLMEngine; the engine loop starts with the app's lifespan."""
-    ae = AsyncEngine(engine)
+    ae = AsyncEngine(engine, max_queue_wait=max_queue_wait)
     tok = engine.tokenizer
     tok.max_token_bytes  # worked out now (152k tokens), not under the first long prompt
     files = tok.files  # the model directory's files, as the engine's tokenizer read them

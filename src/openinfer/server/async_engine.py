@@ -172,8 +172,9 @@ class AsyncEngine:
     PROBES = 3
     PROBE_BACKOFF_S = 0.25
 
-    def __init__(self, engine: Any, idle_poll_s: float = 0.05):
+    def __init__(self, engine: Any, idle_poll_s: float = 0.05, max_queue_wait: float = 5.0):
         self.engine = engine
+        self.max_queue_wait = max_queue_wait  # seconds; 0: only max_waiting bounds the queue
         self._inbox: queue.Queue = queue.Queue()
         self._subs: dict[str, _Sub] = {}  # engine thread only
         self._accepted: list = []  # (loop, future) of requests added, their waiters not told yet (engine thread)
@@ -214,10 +215,21 @@ class AsyncEngine:
     def max_waiting(self) -> int:
         return self.engine.scheduler.max_waiting
 
-    def queue_full(self, n: int) -> bool:
-        """Whether n more requests would overflow the waiting queue, by the latest snapshot: a 503 at
-        once, not after the step running now (the engine thread still decides when this says no)."""
-        return self.stats.get("num_waiting", 0) + n > self.max_waiting
+    def busy(self, n: int) -> str | None:
+        """Why n more requests are refused with a 503 now, or None, by the latest snapshot (a 503 at once,
+        not after the step running now; the engine thread still has the last word on the count): the
+        waiting queue would overflow, or its oldest request has waited longer than max_queue_wait. The
+        second bounds the TTFT of what is admitted under overload: the queue's head has waited about as
+        long as a request queued now will. It is a measured wait, not a rate estimate, so a burst at an
+        idle server is not refused (its requests are admitted within a step or two)."""
+        s = self.stats
+        if s.get("num_waiting", 0) + n > self.max_waiting:
+            return f"the waiting queue is full ({self.max_waiting} requests)"
+        t = s.get("oldest_waiting_ns", 0)
+        if self.max_queue_wait and t and (waited := (time.perf_counter_ns() - t) * 1e-9) > self.max_queue_wait:
+            return (f"the oldest waiting request has waited {waited:.1f} s, more than {self.max_queue_wait:g} s "
+                    "(--max-queue-wait)")
+        return None
 
     def retry_after(self) -> int:
         return self.drain.retry_after(self.stats.get("num_waiting", 0))

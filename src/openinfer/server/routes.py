@@ -155,11 +155,7 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
         raise bad(f"this request needs {len(prompts)} engine requests (prompts x n), but the waiting queue "
                   f"holds at most {ae.max_waiting} (--max-waiting-requests); send fewer prompts or a smaller n",
                   "n", "too_many_requests_in_one")
-    if not ae.healthy:
-        raise APIError(503, "the engine is recovering from a failed step", type="server_error",
-                       code="engine_unavailable", headers={"Retry-After": "1"})
-    if ae.queue_full(len(prompts)):
-        raise _queue_full(ae, f"the waiting queue is full ({ae.max_waiting} requests)")
+    _refuse_if_busy(ae, len(prompts))
     try:
         group = ae.new_group(trace)
     except EngineDeadError as e:
@@ -179,6 +175,17 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
         group.close()
         raise
     return group
+
+
+def _refuse_if_busy(ae: AsyncEngine, n: int) -> None:
+    """503 when the engine cannot take n more requests now. Called before the body is read too (n = 1):
+    under overload a refusal then costs no parsing or tokenizing, and comes back at once. The unread
+    body is then read and dropped by uvicorn, the connection kept."""
+    if not ae.healthy:
+        raise APIError(503, "the engine is recovering from a failed step", type="server_error",
+                       code="engine_unavailable", headers={"Retry-After": "1"})
+    if why := ae.busy(n):
+        raise _queue_full(ae, why)
 
 
 def _queue_full(ae: AsyncEngine, why: str) -> APIError:
@@ -385,6 +392,7 @@ async def completions(st: ServerState, request: Request) -> Response:
         trace.tokenized = ns()  # every prompt's ids, checked against max_model_len: ready for the engine
         return req, prompts
 
+    _refuse_if_busy(st.engine, 1)
     req, prompts = await _read_json(st, request, prepare, trace, st.max_model_len)
     trace.stream = req.gen.stream
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
@@ -520,6 +528,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
         trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
         return req, prompt, ids
 
+    _refuse_if_busy(st.engine, 1)
     req, prompt, ids = await _read_json(st, request, prepare, trace)
     trace.stream = req.gen.stream
     n = req.gen.n
