@@ -82,7 +82,8 @@ def test_missing_template_and_missing_files(model_dir, tmp_path_factory):
 def serve(files):
     """The app over an engine stand-in whose tokenizer came from `files` (its loop never starts)."""
     engine = SimpleNamespace(tokenizer=Tokenizer.from_files(files), config=SimpleNamespace(max_model_len=64),
-                             model_config=SimpleNamespace(vocab_size=151936))
+                             model_config=SimpleNamespace(vocab_size=151936),
+                             scheduler=SimpleNamespace(max_waiting=8))  # the waiting bound the server reads
     return build_app(engine, served_model_name="m")
 
 
