@@ -233,7 +233,7 @@ def test_queue_wait_bound_refuses_before_the_body_is_read(small):
     has waited longer than the bound, a new one gets a 503 at once, before its body is parsed (an
     unparsable body proves it: 503, not 400), and the connection stays usable. The admitted ones
     complete; when the queue is idle again the same body gets its 400."""
-    body = {"prompt": "go", "max_tokens": 150, "ignore_eos": True}
+    body = {"prompt": "go", "max_tokens": 400, "ignore_eos": True}  # the running one outlasts the checks below
     outs = []
     threads = [threading.Thread(target=lambda: outs.append(
         httpx.post(small.url + "/v1/completions", json=body, headers=AUTH, timeout=120))) for _ in range(2)]
@@ -267,7 +267,7 @@ def test_queue_wait_bound_refuses_before_the_body_is_read(small):
 
 def test_busy_reasons():
     """The 503 decision from the engine's snapshot: the count bound, then the head of the queue's wait;
-    an empty queue (a burst not yet admitted has a fresh head) and a bound of 0 never refuse by time."""
+    an empty queue, a stale snapshot and a bound of 0 never refuse by time."""
     from types import SimpleNamespace
     from openinfer.server.async_engine import AsyncEngine
     ae = AsyncEngine(SimpleNamespace(scheduler=SimpleNamespace(max_waiting=4)), max_queue_wait=5.0)
@@ -276,8 +276,11 @@ def test_busy_reasons():
     assert ae.busy(1) is None and "full (4 requests)" in ae.busy(5)
     ae.stats = {"num_waiting": 3, "oldest_waiting_ns": now - 10**9}
     assert ae.busy(1) is None and ae.busy(2) is not None
-    ae.stats = {"num_waiting": 1, "oldest_waiting_ns": now - 6 * 10**9}
+    ae.stats, ae._stats_at = {"num_waiting": 1, "oldest_waiting_ns": now - 6 * 10**9}, time.perf_counter()
     assert "waited 6." in ae.busy(1)
+    ae._stats_at -= 2 * AsyncEngine.STALE_S  # a snapshot that stopped refreshing refuses by count only
+    assert ae.busy(1) is None
+    ae._stats_at = time.perf_counter()
     ae.max_queue_wait = 0
     assert ae.busy(1) is None
 

@@ -169,6 +169,7 @@ class AsyncEngine:
     PROBE_BACKOFF_S, 2x, 4x ... apart, and when none succeeds the loop ends (`fatal`; `on_fatal` is
     called: openinfer-serve exits non-zero for its supervisor)."""
     STATS_PERIOD_S = 0.01  # while busy, the metrics snapshot is refreshed at most this often
+    STALE_S = 1.0  # a snapshot this old (stats() failing, a step this long) does not refuse by the queue's wait
     PROBES = 3
     PROBE_BACKOFF_S = 0.25
 
@@ -225,11 +226,16 @@ class AsyncEngine:
         s = self.stats
         if s.get("num_waiting", 0) + n > self.max_waiting:
             return f"the waiting queue is full ({self.max_waiting} requests)"
-        t = s.get("oldest_waiting_ns", 0)
+        t = s.get("oldest_waiting_ns", 0) if time.perf_counter() - self._stats_at < self.STALE_S else 0
         if self.max_queue_wait and t and (waited := (time.perf_counter_ns() - t) * 1e-9) > self.max_queue_wait:
             return (f"the oldest waiting request has waited {waited:.1f} s, more than {self.max_queue_wait:g} s "
                     "(--max-queue-wait)")
         return None
+
+    @property
+    def refusing(self) -> str | None:
+        """Why new requests are refused: shutdown (end_all), or the loop has stopped; else None."""
+        return self._refusing or ("the engine loop is not running" if self._stop.is_set() else None)
 
     def retry_after(self) -> int:
         return self.drain.retry_after(self.stats.get("num_waiting", 0))

@@ -177,15 +177,29 @@ async def _submit(st: ServerState, prompts: list[list[int]], params: SamplingPar
     return group
 
 
-def _refuse_if_busy(ae: AsyncEngine, n: int) -> None:
-    """503 when the engine cannot take n more requests now. Called before the body is read too (n = 1):
-    under overload a refusal then costs no parsing or tokenizing, and comes back at once. The unread
-    body is then read and dropped by uvicorn, the connection kept."""
+EARLY_DRAIN_BYTES = 64 << 10  # an unread body up to this size is read and dropped by uvicorn after an early 503
+
+
+def _refuse_if_busy(ae: AsyncEngine, n: int, request: Request | None = None) -> None:
+    """503 when the engine cannot take n more requests now. Called before the body is read too (n = 1,
+    with the request): under overload a refusal then costs no parsing or tokenizing, and comes back at
+    once. uvicorn then reads and drops a small unread body and keeps the connection; a large, chunked or
+    unannounced one is not read (Connection: close), so neither the body limit nor the read timeout is
+    bypassed by being refused."""
+    headers = {}
+    if request is not None:
+        cl = request.headers.get("content-length", "")
+        if not cl.isdigit() or int(cl) > EARLY_DRAIN_BYTES:
+            headers = dict(CLOSE)
+    if why := ae.refusing:  # shutting down, or the loop died: no body worth reading
+        raise APIError(503, why, type="server_error", code="engine_dead", headers=headers)
     if not ae.healthy:
         raise APIError(503, "the engine is recovering from a failed step", type="server_error",
-                       code="engine_unavailable", headers={"Retry-After": "1"})
+                       code="engine_unavailable", headers={"Retry-After": "1", **headers})
     if why := ae.busy(n):
-        raise _queue_full(ae, why)
+        e = _queue_full(ae, why)
+        e.headers.update(headers)
+        raise e
 
 
 def _queue_full(ae: AsyncEngine, why: str) -> APIError:
@@ -392,7 +406,7 @@ async def completions(st: ServerState, request: Request) -> Response:
         trace.tokenized = ns()  # every prompt's ids, checked against max_model_len: ready for the engine
         return req, prompts
 
-    _refuse_if_busy(st.engine, 1)
+    _refuse_if_busy(st.engine, 1, request)
     req, prompts = await _read_json(st, request, prepare, trace, st.max_model_len)
     trace.stream = req.gen.stream
     n_prompt = sum(len(p) for p in prompts)  # counted once per prompt, whatever n
@@ -528,7 +542,7 @@ async def chat_completions(st: ServerState, request: Request) -> Response:
         trace.tokenized = ns()  # its ids, checked against max_model_len: ready for the engine
         return req, prompt, ids
 
-    _refuse_if_busy(st.engine, 1)
+    _refuse_if_busy(st.engine, 1, request)
     req, prompt, ids = await _read_json(st, request, prepare, trace)
     trace.stream = req.gen.stream
     n = req.gen.n
