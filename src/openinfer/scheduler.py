@@ -198,7 +198,8 @@ class SchedulerStats:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, tokenizer: Tokenizer, *, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_waiting: int,
-                 max_prefill_tokens_while_decoding: int | None = None, eos_token_ids: tuple[int, ...] = (), host_tier: HostTier | None = None, drafter=None):
+                 max_prefill_tokens_while_decoding: int | None = None, eos_token_ids: tuple[int, ...] = (),
+                 host_tier: HostTier | None = None, drafter=None):
         if max_num_batched_tokens < max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         self.bm = block_manager

@@ -221,8 +221,8 @@ class AsyncEngine:
         not after the step running now; the engine thread still has the last word on the count): the
         waiting queue would overflow, or its oldest request has waited longer than max_queue_wait. The
         second bounds the TTFT of what is admitted under overload: the queue's head has waited about as
-        long as a request queued now will. It is a measured wait, not a rate estimate, so a burst at an
-        idle server is not refused (its requests are admitted within a step or two)."""
+        long as a request queued now will. It is a measured wait, not a rate estimate: a burst at an idle
+        server that fits the batch is admitted within a step or two, before its head has waited."""
         s = self.stats
         if s.get("num_waiting", 0) + n > self.max_waiting:
             return f"the waiting queue is full ({self.max_waiting} requests)"
