@@ -13,6 +13,9 @@ gives it; then Poisson arrivals at --factor times that rate for --seconds. Answe
   done     200, a stream that ends with [DONE] (its TTFT: request sent -> first token's chunk);
   refused  503 queue_full with an integer Retry-After >= 1 (its answer time: sent -> status line);
   error    anything else (another status, an SSE error event, no [DONE], a transport error).
+The load comes from --procs client processes, each sending raw HTTP/1.1 on a connection per request (an
+HTTP library's pool, or one process, delays the answers it times under hundreds of streams); the server's
+/metrics event-loop lag over the run is reported beside the clients' own.
 It fails (exit 1, reasons printed) on: any error; a refusal answered later than --refuse-ms (100);
 nothing refused (the load did not overload); the TTFT p99 of requests sent in the last third of the
 run more than --growth (1.5) times that of the second third, plus 50 ms (a queue that grows without
@@ -24,10 +27,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
+import re
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from soak import IDLE, gauges, pct, run_checked  # noqa: E402  (bench/ is on the path)
 
@@ -36,45 +43,69 @@ class Outcomes:
     def __init__(self):
         self.done, self.refused, self.errors = [], [], []  # (sent s, TTFT or answer ms) / (sent, ms) / text
 
-    async def send(self, client, body: bytes, t_run: float) -> None:
+    def merge(self, other: dict) -> None:
+        for k in ("done", "refused", "errors"):
+            getattr(self, k).extend(other[k])
+
+    async def send(self, host: str, port: int, req: bytes, t_run: float) -> None:
+        """One request on a connection of its own, in raw HTTP/1.1: what is timed is the server's answer,
+        not an HTTP library's pool (httpx under a few hundred streams delayed answers by 100s of ms)."""
         t0 = time.perf_counter()
-        sent = t0 - t_run
-        try:  # the body encoded beforehand and the events after the first read by substring: the client's
-            # own loop (thousands of SSE lines a second) must not be what delays the answers it times
-            async with client.stream("POST", "/v1/completions", content=body, headers=JSON_HEADERS) as r:
-                t_head = time.perf_counter()
-                if r.status_code == 503:
-                    err = json.loads(await r.aread()).get("error") or {}
-                    ra = r.headers.get("retry-after", "")
-                    if err.get("code") != "queue_full" or not ra.isdigit() or int(ra) < 1:
-                        raise ValueError(f"503 {err.get('code')} Retry-After {ra!r}")
-                    self.refused.append((sent, (t_head - t0) * 1e3))
-                    return
-                if r.status_code != 200:
-                    raise ValueError(f"{r.status_code} {(await r.aread())[:200]!r}")
-                t_first = None
-                async for line in r.aiter_lines():
-                    if line == "data: [DONE]":
-                        break
-                    if line.startswith("data: ") and (t_first is None or '"error"' in line):
-                        ev = json.loads(line[6:])
-                        if "error" in ev:
-                            raise ValueError(f"error event {ev['error']}")
-                        if t_first is None and (ev.get("choices") or [{}])[0].get("text"):
-                            t_first = time.perf_counter()
-                else:
+        sent, w = t0 - t_run, None
+        try:
+            r, w = await asyncio.open_connection(host, port)
+            w.write(req)
+            status_line = await r.readline()
+            t_head = time.perf_counter()
+            if not status_line:
+                raise ValueError("the connection closed before a status line")
+            status, headers = int(status_line.split()[1]), {}
+            while (line := await r.readline()) not in (b"\r\n", b""):
+                k, _, v = line.decode("latin-1").partition(":")
+                headers[k.strip().lower()] = v.strip()
+            if status != 200:
+                body = await (r.readexactly(int(headers["content-length"])) if "content-length" in headers else r.read())
+                if status != 503:
+                    raise ValueError(f"{status} {body[:200]!r}")
+                err, ra = json.loads(body).get("error") or {}, headers.get("retry-after", "")
+                if err.get("code") != "queue_full" or not ra.isdigit() or int(ra) < 1:
+                    raise ValueError(f"503 {err.get('code')} Retry-After {ra!r}")
+                self.refused.append((sent, (t_head - t0) * 1e3))
+                return
+            if headers.get("transfer-encoding") != "chunked":
+                raise ValueError(f"a stream that is not chunked: {headers}")
+            t_first, tail = None, b""  # the events by substring (an event may span chunks: `tail` joins them)
+            while True:
+                size = int((await r.readline()).split(b";")[0], 16)
+                if size == 0:
                     raise ValueError("the stream ended without [DONE]")
-                self.done.append((sent, ((t_first or time.perf_counter()) - t0) * 1e3))
+                data = tail + (await r.readexactly(size + 2))[:-2]
+                if b'"error"' in data:
+                    raise ValueError(f"error event {data[-300:]!r}")
+                if t_first is None and FIRST_TEXT.search(data):
+                    t_first = time.perf_counter()
+                if b"data: [DONE]" in data:
+                    break
+                tail = data[-64:]
+            self.done.append((sent, ((t_first or time.perf_counter()) - t0) * 1e3))
         except Exception as e:
             self.errors.append(f"at {sent:.2f} s: {type(e).__name__}: {e}"[:300])
+        finally:
+            if w is not None:
+                w.close()
 
 
-JSON_HEADERS = {"content-type": "application/json"}
+FIRST_TEXT = re.compile(rb'"text": ?"(?!")')  # a completion chunk with text in it
 
 
 def body_of(rng: random.Random, a) -> bytes:
     return json.dumps({"prompt": [rng.randrange(1000, 100_000) for _ in range(a.prompt_len)],
                        "max_tokens": a.output_len, "ignore_eos": True, "stream": True, "temperature": 0}).encode()
+
+
+def request_of(host: str, body: bytes) -> bytes:
+    return (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode() + body
 
 
 async def loop_lag(samples: list, stop: asyncio.Event, period: float = 0.01) -> None:
@@ -85,60 +116,110 @@ async def loop_lag(samples: list, stop: asyncio.Event, period: float = 0.01) -> 
         samples.append((time.perf_counter() - t - period) * 1e3)
 
 
-async def saturation(client, a) -> float:
-    """Completions per second with --concurrency clients each sending back to back (closed loop)."""
-    rng, out, end = random.Random(a.seed + 1), Outcomes(), time.perf_counter() + a.measure_s
-    t0 = time.perf_counter()
+def _worker(phase: str, a, host: str, port: int, index: int, t_start: float) -> dict:
+    """One client process's share, from t_start (time.perf_counter(): one monotonic clock for all):
+    `closed` runs a.concurrency / a.procs back-to-back clients for a.measure_s; `open` sends Poisson
+    arrivals at rate a.rate / a.procs for a.seconds (the union of independent Poisson streams is one)."""
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(_worker_async(phase, a, host, port, index, t_start))
 
-    async def worker():
-        while time.perf_counter() < end:
-            await out.send(client, body_of(rng, a), t0)
 
-    await asyncio.gather(*(worker() for _ in range(a.concurrency)))
-    if out.errors or out.refused:
-        raise SystemExit(f"overload: the saturation run was refused or failed: {(out.errors + out.refused)[:3]}")
-    return len(out.done) / (time.perf_counter() - t0)
+async def _worker_async(phase: str, a, host: str, port: int, index: int, t_start: float) -> dict:
+    rng, out, lag, stop = random.Random(a.seed * 1000 + index + (1 if phase == "closed" else 500)), Outcomes(), [], asyncio.Event()
+    if phase == "closed":
+        n = a.concurrency // a.procs + (index < a.concurrency % a.procs)
+        reqs = [request_of(host, body_of(rng, a)) for _ in range(max(1, n) * 64)]
+        await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
+        end = t_start + a.measure_s
+
+        async def client(j):
+            k = j
+            while time.perf_counter() < end:
+                await out.send(host, port, reqs[k % len(reqs)], t_start)
+                k += n
+        await asyncio.gather(*(client(j) for j in range(n)))
+        return {"done": out.done, "refused": out.refused, "errors": out.errors, "lag": lag, "stuck": 0}
+    gaps, t = [], 0.0
+    while (t := t + rng.expovariate(a.rate / a.procs)) < a.seconds:
+        gaps.append(t)
+    reqs = [request_of(host, body_of(rng, a)) for _ in gaps]  # encoded beforehand
+    tasks = set()
+    await asyncio.sleep(max(0.0, t_start - time.perf_counter()))
+    lag_task = asyncio.create_task(loop_lag(lag, stop))
+    for t_at, req in zip(gaps, reqs):
+        await asyncio.sleep(max(0.0, t_start + t_at - time.perf_counter()))
+        task = asyncio.create_task(out.send(host, port, req, t_start))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+    stuck = len((await asyncio.wait(tasks, timeout=a.stuck_s))[1]) if tasks else 0
+    stop.set()
+    await lag_task
+    return {"done": out.done, "refused": out.refused, "errors": out.errors, "lag": lag, "stuck": stuck}
+
+
+async def _phase(pool, phase: str, a, host: str, port: int) -> list[dict]:
+    loop, t_start = asyncio.get_running_loop(), time.perf_counter() + 2.0  # the processes are up by then
+    return await asyncio.gather(*(loop.run_in_executor(pool, _worker, phase, a, host, port, i, t_start)
+                                  for i in range(a.procs)))
+
+
+def _lag_buckets(text: str) -> dict:
+    """openinfer_event_loop_lag_seconds's cumulative bucket counts from /metrics, by bound (s)."""
+    return {float(le): float(v) for le, v in
+            re.findall(r'^openinfer_event_loop_lag_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)
+            if le != "+Inf"} | {"inf": float(m.group(1)) if (m := re.search(
+                r"^openinfer_event_loop_lag_seconds_count(?:\{[^}]*\})? (\S+)$", text, re.M)) else 0.0}
 
 
 async def run(a, url: str, pid: int | None = None) -> dict:
     import httpx
 
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(a.stuck_s, connect=10), trust_env=False,
-                                 limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512)) as client:
-        sat = a.saturation or await saturation(client, a)
-        rate, rng, out, tasks = a.factor * sat, random.Random(a.seed), Outcomes(), set()
-        gaps, t = [], 0.0
-        while (t := t + rng.expovariate(rate)) < a.seconds:
-            gaps.append(t)
-        bodies = [body_of(rng, a) for _ in gaps]
-        lag, stop_lag = [], asyncio.Event()
-        lag_task = asyncio.create_task(loop_lag(lag, stop_lag))
-        t0 = time.perf_counter()
-        for t_at, body in zip(gaps, bodies):
-            await asyncio.sleep(max(0.0, t0 + t_at - time.perf_counter()))
-            task = asyncio.create_task(out.send(client, body, t0))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        stuck = len((await asyncio.wait(tasks, timeout=a.stuck_s))[1]) if tasks else 0
-        stop_lag.set()
-        await lag_task
-        deadline = time.perf_counter() + a.drain_s
-        while True:
-            try:
-                final = await gauges(client)
-            except httpx.HTTPError:
-                final = {}
-            if all(final.get(k) == 0 for k in IDLE) or time.perf_counter() > deadline:
-                break
-            await asyncio.sleep(0.25)
+    u = urlsplit(url)
+    host, port = u.hostname, u.port or 80
+    with ProcessPoolExecutor(a.procs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        async with httpx.AsyncClient(base_url=url, timeout=10, trust_env=False) as client:
+            if a.saturation:
+                sat = a.saturation
+            else:
+                parts = await _phase(pool, "closed", a, host, port)
+                sat_out = Outcomes()
+                for part in parts:
+                    sat_out.merge(part)
+                if sat_out.errors or sat_out.refused:
+                    raise SystemExit(f"overload: the saturation run was refused or failed: "
+                                     f"{(sat_out.errors + sat_out.refused)[:3]}")
+                sat = len(sat_out.done) / a.measure_s
+            a.rate = a.factor * sat
+            lag0 = _lag_buckets((await client.get("/metrics")).text)
+            parts = await _phase(pool, "open", a, host, port)
+            lag1 = _lag_buckets((await client.get("/metrics")).text)
+            out, lag, stuck = Outcomes(), [], 0
+            for part in parts:
+                out.merge(part)
+                lag += part["lag"]
+                stuck += part["stuck"]
+            deadline = time.perf_counter() + a.drain_s
+            while True:
+                try:
+                    final = await gauges(client)
+                except httpx.HTTPError:
+                    final = {}
+                if all(final.get(k) == 0 for k in IDLE) or time.perf_counter() > deadline:
+                    break
+                await asyncio.sleep(0.25)
     third = a.seconds / 3
     ttft = lambda lo, hi: [ms for s, ms in out.done if lo <= s < hi]  # noqa: E731
     n = len(out.done) + len(out.refused) + len(out.errors)
+    server_lag = {f"le_{k * 1e3:g}ms" if k != "inf" else "all": lag1.get(k, 0) - lag0.get(k, 0) for k in lag1}
     return {"config": {"url": url, "serve_args": a.serve_args, "factor": a.factor, "seconds": a.seconds,
                        "prompt_len": a.prompt_len, "output_len": a.output_len, "concurrency": a.concurrency,
                        "measure_s": a.measure_s, "seed": a.seed, "refuse_ms": a.refuse_ms, "growth": a.growth,
-                       "date": time.strftime("%Y-%m-%d %H:%M:%S")},
-            "saturation_rps": sat, "saturation_measured": a.saturation is None, "offered_rps": rate,
+                       "procs": a.procs, "date": time.strftime("%Y-%m-%d %H:%M:%S")},
+            "saturation_rps": sat, "saturation_measured": a.saturation is None, "offered_rps": a.rate,
             "requests": n, "done": len(out.done), "refused": len(out.refused), "errors_total": len(out.errors),
             "errors": out.errors[:50], "stuck": stuck, "final": final,
             "done_rps": len(out.done) / a.seconds,
@@ -146,6 +227,8 @@ async def run(a, url: str, pid: int | None = None) -> dict:
                         "p99_second_third": pct(ttft(third, 2 * third), 0.99),
                         "p99_last_third": pct(ttft(2 * third, a.seconds), 0.99)},
             "client_loop_lag_ms": {"p50": pct(lag, 0.5), "p99": pct(lag, 0.99), "max": max(lag, default=None)},
+            # the server's own event loop (/metrics' histogram over the overload): wake-ups late by at most ...
+            "server_loop_lag_counts": server_lag,
             "refusal_ms": {"p50": pct([m for _, m in out.refused], 0.5), "p99": pct([m for _, m in out.refused], 0.99),
                            "max": max((m for _, m in out.refused), default=None)}}
 
@@ -182,8 +265,19 @@ def summary(doc: dict) -> str:
              f"({doc['done_rps']:.2f}/s), {doc['refused']} refused, {doc['errors_total']} errors",
              f"  TTFT of the admitted p50 / p99 {f(t['p50'])} / {f(t['p99'])} ms (p99 second third {f(t['p99_second_third'])}, "
              f"last third {f(t['p99_last_third'])}); 503 answered in p50 / p99 / max {f(r['p50'])} / {f(r['p99'])} / "
-             f"{f(r['max'])} ms; this client's loop late by p99 {f(doc.get('client_loop_lag_ms', {}).get('p99'))} ms"]
+             f"{f(r['max'])} ms",
+             f"  client loops ({doc['config'].get('procs', 1)} processes) late by p99 "
+             f"{f(doc.get('client_loop_lag_ms', {}).get('p99'))} ms; the server's loop {_late(doc)}"]
     return "\n".join(lines + ([f"FAIL: {w}" for w in doc["failures"]] or ["PASS"]))
+
+
+def _late(doc: dict) -> str:
+    c = doc.get("server_loop_lag_counts") or {}
+    if not c.get("all"):
+        return "not sampled"
+    over = lambda ms: c["all"] - c.get(f"le_{ms}ms", c["all"])  # noqa: E731
+    return (f"late by > 10 / 50 / 100 ms in {over(10):.0f} / {over(50):.0f} / {over(100):.0f} "
+            f"of {c['all']:.0f} wake-ups")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stuck-s", type=float, default=120.0, help="longest a request may take (default 120)")
     p.add_argument("--drain-s", type=float, default=10.0)
     p.add_argument("--start-timeout", type=float, default=900.0)
+    p.add_argument("--procs", type=int, default=4, help="client processes sharing the load (default 4)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("overload.json"))
     a = p.parse_args(argv)

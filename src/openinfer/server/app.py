@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -63,9 +64,11 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app):
         ae.start()
+        watch = asyncio.create_task(st.metrics.watch_loop())
         try:
             yield
         finally:
+            watch.cancel()
             ae.shutdown()
 
     app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(_Entry)],

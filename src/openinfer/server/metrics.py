@@ -7,6 +7,7 @@ arrive.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import time
@@ -221,6 +222,9 @@ class PathHistogram:
         return "\n".join(out) + "\n"
 
 
+LOOP_PROBE_S = 0.01
+
+
 class Metrics:
     def __init__(self, async_engine, model_name: str):
         self.registry = CollectorRegistry()
@@ -239,6 +243,18 @@ class Metrics:
         self.e2e = Histogram("openinfer_e2e_request_latency_seconds", "Arrival to last token",
                              registry=self.registry,
                              buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320))
+        # A late event loop delays every answer the server gives, a 503 and /health included.
+        self.loop_lag = Histogram("openinfer_event_loop_lag_seconds",
+                                  f"How late the event loop wakes from a {LOOP_PROBE_S * 1e3:g} ms sleep",
+                                  registry=self.registry,
+                                  buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+
+    async def watch_loop(self) -> None:
+        """Observes the event loop's lateness until cancelled (started with the app)."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(LOOP_PROBE_S)
+            self.loop_lag.observe(max(0.0, time.perf_counter() - t - LOOP_PROBE_S))
 
     def render(self) -> bytes:
         return generate_latest(self.registry) + self.path.render().encode()
