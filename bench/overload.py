@@ -80,7 +80,7 @@ class Outcomes:
                 if size == 0:
                     raise ValueError("the stream ended without [DONE]")
                 data = tail + (await r.readexactly(size + 2))[:-2]
-                if b'"error"' in data:
+                if b'data: {"error"' in data:  # an error event (not a token whose text is "error")
                     raise ValueError(f"error event {data[-300:]!r}")
                 if t_first is None and FIRST_TEXT.search(data):
                     t_first = time.perf_counter()
@@ -167,12 +167,13 @@ async def _phase(pool, phase: str, a, host: str, port: int) -> list[dict]:
                                   for i in range(a.procs)))
 
 
-def _lag_buckets(text: str) -> dict:
-    """openinfer_event_loop_lag_seconds's cumulative bucket counts from /metrics, by bound (s)."""
-    return {float(le): float(v) for le, v in
-            re.findall(r'^openinfer_event_loop_lag_seconds_bucket\{[^}]*le="([^"]+)"[^}]*\} (\S+)$', text, re.M)
-            if le != "+Inf"} | {"inf": float(m.group(1)) if (m := re.search(
-                r"^openinfer_event_loop_lag_seconds_count(?:\{[^}]*\})? (\S+)$", text, re.M)) else 0.0}
+def _lag_buckets(text: str, name: str = "openinfer_event_loop_lag_seconds") -> dict:
+    """A histogram's cumulative bucket counts from /metrics, by bound (s), summed over its labels."""
+    out: dict = {"inf": 0.0}
+    for le, v in re.findall(rf'^{name}_bucket\{{[^}}]*le="([^"]+)"[^}}]*\}} (\S+)$', text, re.M):
+        k = "inf" if le == "+Inf" else float(le)
+        out[k] = out.get(k, 0.0) + float(v)
+    return out
 
 
 async def run(a, url: str, pid: int | None = None) -> dict:
@@ -194,9 +195,11 @@ async def run(a, url: str, pid: int | None = None) -> dict:
                                      f"{(sat_out.errors + sat_out.refused)[:3]}")
                 sat = len(sat_out.done) / a.measure_s
             a.rate = a.factor * sat
-            lag0 = _lag_buckets((await client.get("/metrics")).text)
+            m0 = (await client.get("/metrics")).text
             parts = await _phase(pool, "open", a, host, port)
-            lag1 = _lag_buckets((await client.get("/metrics")).text)
+            m1 = (await client.get("/metrics")).text
+            lag0, lag1 = _lag_buckets(m0), _lag_buckets(m1)
+            gc0, gc1 = _lag_buckets(m0, "openinfer_gc_pause_seconds"), _lag_buckets(m1, "openinfer_gc_pause_seconds")
             out, lag, stuck = Outcomes(), [], 0
             for part in parts:
                 out.merge(part)
@@ -214,7 +217,8 @@ async def run(a, url: str, pid: int | None = None) -> dict:
     third = a.seconds / 3
     ttft = lambda lo, hi: [ms for s, ms in out.done if lo <= s < hi]  # noqa: E731
     n = len(out.done) + len(out.refused) + len(out.errors)
-    server_lag = {f"le_{k * 1e3:g}ms" if k != "inf" else "all": lag1.get(k, 0) - lag0.get(k, 0) for k in lag1}
+    diff = lambda h1, h0: {f"le_{k * 1e3:g}ms" if k != "inf" else "all": h1.get(k, 0) - h0.get(k, 0) for k in h1}  # noqa: E731
+    server_lag, gc_pauses = diff(lag1, lag0), diff(gc1, gc0)
     return {"config": {"url": url, "serve_args": a.serve_args, "factor": a.factor, "seconds": a.seconds,
                        "prompt_len": a.prompt_len, "output_len": a.output_len, "concurrency": a.concurrency,
                        "measure_s": a.measure_s, "seed": a.seed, "refuse_ms": a.refuse_ms, "growth": a.growth,
@@ -229,6 +233,7 @@ async def run(a, url: str, pid: int | None = None) -> dict:
             "client_loop_lag_ms": {"p50": pct(lag, 0.5), "p99": pct(lag, 0.99), "max": max(lag, default=None)},
             # the server's own event loop (/metrics' histogram over the overload): wake-ups late by at most ...
             "server_loop_lag_counts": server_lag,
+            "server_gc_pause_counts": gc_pauses,  # the server's garbage collections over the overload, by length
             "refusal_ms": {"p50": pct([m for _, m in out.refused], 0.5), "p99": pct([m for _, m in out.refused], 0.99),
                            "max": max((m for _, m in out.refused), default=None)}}
 
@@ -275,9 +280,11 @@ def _late(doc: dict) -> str:
     c = doc.get("server_loop_lag_counts") or {}
     if not c.get("all"):
         return "not sampled"
-    over = lambda ms: c["all"] - c.get(f"le_{ms}ms", c["all"])  # noqa: E731
-    return (f"late by > 10 / 50 / 100 ms in {over(10):.0f} / {over(50):.0f} / {over(100):.0f} "
-            f"of {c['all']:.0f} wake-ups")
+    over = lambda c, ms: c["all"] - c.get(f"le_{ms}ms", c["all"])  # noqa: E731
+    g = doc.get("server_gc_pause_counts") or {"all": 0}
+    return (f"late by > 10 / 50 / 100 ms in {over(c, 10):.0f} / {over(c, 50):.0f} / {over(c, 100):.0f} "
+            f"of {c['all']:.0f} wake-ups; its garbage collections > 10 / 50 ms: {over(g, 10):.0f} / "
+            f"{over(g, 50):.0f} of {g['all']:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -150,7 +150,8 @@ def test_abort_frees_blocks(tokenizer):
     assert sched.stats().num_running == 4 and sched.stats().num_waiting == 1
     used = bm.num_used
     assert sched.abort("r1") and not sched.abort("r1") and not sched.abort("nope")
-    assert bm.num_used == used - 2 and sched.promised_blocks() == 0  # 30 tokens: both blocks allocated
+    # 30 tokens: the first step ran 16 (the tail is a chunk of its own), one block allocated, one promised
+    assert bm.num_used == used - 1 and sched.promised_blocks() == 3  # the others' second blocks
     assert sched.abort("r4")  # a waiting request
     bm.check_integrity()
     ups = run_all(sched, bm, runner)
@@ -177,6 +178,23 @@ def test_budget_rows_and_chunking(tokenizer):
     assert out == {f"r{i}": [1000 * (i + 1) + 40 + k for k in range(5)] for i in range(5)}  # the echo model
 
 
+@pytest.mark.parametrize("n, chunks", [(16, [16]), (17, [16, 1]), (32, [16, 16]), (40, [32, 8]), (300, [256, 32, 12])])
+def test_a_prompts_tail_is_a_chunk_of_its_own(tokenizer, n, chunks):
+    """The tokens after a prompt's last whole block before its last token run in a step of their own:
+    the step a later prefix hit of the same prompt runs (issue #26 item 1), so both compute them alike."""
+    sched, bm, runner = make(tokenizer, num_blocks=40, budget=256)
+    sched.add_request("a", prompt(n), SamplingParams(max_tokens=2, ignore_eos=True), 0)
+    seen = []
+    run_all(sched, bm, runner, on_step=lambda b: seen.extend(it.num_tokens for it in b.items
+                                                             if it.start < it.seq.num_prompt))
+    assert seen == chunks
+    sched.add_request("b", prompt(n), SamplingParams(max_tokens=2, ignore_eos=True), 0)  # the same prompt: a hit
+    seen.clear()
+    run_all(sched, bm, runner, on_step=lambda b: seen.extend((it.start, it.num_tokens) for it in b.items
+                                                             if it.start < it.seq.num_prompt))
+    assert seen == [((n - 1) // 16 * 16, chunks[-1] if n > 16 else n)]  # the cold run's last chunk, alone
+
+
 def test_prompt_tokens_capped_while_requests_decode(tokenizer):
     """A prompt alone takes the whole step budget; beside decoding requests it streams in chunks of at most
     max_prefill_tokens_while_decoding, so that each of their steps stays short."""
@@ -188,7 +206,7 @@ def test_prompt_tokens_capped_while_requests_decode(tokenizer):
     first = sched.schedule()
     assert [it.num_tokens for it in first.items] == [256]  # alone: the whole budget
     sched.postprocess(first, runner.run(first))
-    sched.add_request("b", prompt(500, 5000), SamplingParams(max_tokens=4, ignore_eos=True), 0)
+    sched.add_request("b", prompt(600, 5000), SamplingParams(max_tokens=4, ignore_eos=True), 0)
     seen = []
 
     def on_step(batch):
@@ -199,9 +217,10 @@ def test_prompt_tokens_capped_while_requests_decode(tokenizer):
     out = {}
     for u in run_all(sched, bm, runner, on_step=on_step):
         out.setdefault(u.request_id, []).extend(u.new_token_ids)
-    assert out["a"] == [1300 + k for k in range(40)] and out["b"] == [5500 + k for k in range(4)]
-    # a's last 44 prompt tokens and b's first 212 while nobody decodes; then b's 288 beside a's decode rows
-    assert seen[0] == (0, 256) and seen[1:9] == [(1, 40)] * 7 + [(1, 8)], seen[:10]
+    assert out["a"] == [1300 + k for k in range(40)] and out["b"] == [5600 + k for k in range(4)]
+    # while nobody decodes: a's next 32 prompt tokens and b's first 224, then a's tail (12) and b's next 244;
+    # then beside a's decode rows b's next 124 in chunks of at most 40, and b's tail of 8
+    assert seen[:2] == [(0, 256)] * 2 and seen[2:7] == [(1, 40)] * 3 + [(1, 4), (1, 8)], seen[:8]
 
 
 def test_stop_checks(tokenizer):
@@ -222,12 +241,16 @@ def test_stop_checks(tokenizer):
 def test_slot_mapping_follows_block_tables(tokenizer):
     sched, bm, runner = make(tokenizer, num_blocks=20)
     sched.add_request("a", prompt(37), SamplingParams(max_tokens=3), 0)
+    batch = sched.schedule()  # tokens 0..31, then the tail 32..36 (a chunk of its own)
+    first = pack(batch, 16)
+    sched.postprocess(batch, runner.run(batch))
     batch = sched.schedule()
-    args = pack(batch, 16)
+    tail = pack(batch, 16)
     table = batch.items[0].seq.block_table
     want = [table[p // 16] * 16 + p % 16 for p in range(37)]
-    assert args.slot_mapping.tolist() == want and args.context_lens.tolist() == [37]
-    assert args.sample_idx.tolist() == [36] and args.seeds.dtype == np.uint64
+    assert first.slot_mapping.tolist() + tail.slot_mapping.tolist() == want
+    assert first.context_lens.tolist() == [32] and tail.context_lens.tolist() == [37]
+    assert first.sample_idx.tolist() == [] and tail.sample_idx.tolist() == [4] and tail.seeds.dtype == np.uint64
 
 
 @pytest.mark.parametrize("seed", range(6))

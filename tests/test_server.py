@@ -227,8 +227,7 @@ def test_logprobs_shapes(server, client):
 def test_chat_non_stream_and_stream(server, client):
     kw = dict(model=NAME, messages=[{"role": "system", "content": "Be brief."}] + USER,
               max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
-    client.chat.completions.create(**kw)  # the next two hit the prefix cache alike (on a GPU a cached
-    r = client.chat.completions.create(**kw)  # prefix changes the prefill GEMM shapes, so the roundings)
+    r = client.chat.completions.create(**kw)  # cold; the stream below is a prefix hit (the same tokens)
     m = r.choices[0].message
     assert m.role == "assistant" and r.choices[0].finish_reason == "length"
     n_prompt = len(tokenize(server, messages=kw["messages"]))
@@ -243,6 +242,29 @@ def test_chat_non_stream_and_stream(server, client):
     assert reasoning == (getattr(m, "reasoning_content", None) or "")
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.prompt_tokens == n_prompt and chunks[-1].usage.completion_tokens == 10
+
+
+def test_the_same_request_twice_gets_the_same_tokens(server, client):
+    """Issue #26 item 1: sent twice to an idle server, a request gets the same tokens whether the second
+    is a prefix-cache hit (its prompt's tail computed in a short step instead of inside the whole prompt)
+    and streamed or not: chunk-invariant prefill, not a tolerance."""
+    import random
+    rng = random.Random(2612)
+    prompt = [rng.randrange(1000, 20000) for _ in range(333)]  # not a multiple of the block size: a tail
+    kw = dict(model=NAME, prompt=prompt, max_tokens=24, temperature=0, logprobs=1, extra_body={"ignore_eos": True})
+    assert_idle(server)
+    hits = metric(server.url, "openinfer_prefix_cache_hit_tokens_total")
+    cold = client.completions.create(**kw).choices[0]
+    assert_idle(server)
+    assert metric(server.url, "openinfer_prefix_cache_hit_tokens_total") == hits  # a miss
+    chunks = [c for c in client.completions.create(stream=True, **kw) if c.choices]
+    assert metric(server.url, "openinfer_prefix_cache_hit_tokens_total") >= hits + 320  # 20 blocks hit
+    tokens = [t for c in chunks for t in c.choices[0].logprobs.tokens]
+    assert tokens == cold.logprobs.tokens and "".join(c.choices[0].text for c in chunks) == cold.text
+    # and the logprob of each token, bit for bit
+    assert [x for c in chunks for x in c.choices[0].logprobs.token_logprobs] == cold.logprobs.token_logprobs
+    hot = client.completions.create(**kw).choices[0]  # a hit, not streamed
+    assert hot.logprobs.token_logprobs == cold.logprobs.token_logprobs and hot.text == cold.text
 
 
 def test_chat_template_options_reach_prompt(server):

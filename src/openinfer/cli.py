@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import gc
 import logging
 import os
 import signal
@@ -220,6 +221,10 @@ def _serve(argv: list[str] | None) -> int:
     # uvicorn re-raises the signal it stopped on to the handler found before it; for SIGTERM (a supervisor's
     # stop) that handler does nothing, so a clean stop exits 0 instead of dying by the signal
     signal.signal(signal.SIGTERM, lambda *_: None)
+    # What is loaded by now (the tokenizer's tables, the engine's objects) lives as long as the process:
+    # out of every later collection, a full one need not walk it while the server is under load.
+    gc.collect()
+    gc.freeze()
     server.run(sockets=[sock])
     if ae.fatal is not None:
         log.error("the engine failed and did not recover (%s); exiting with status 1", ae.fatal)

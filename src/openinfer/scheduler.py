@@ -338,6 +338,13 @@ class Scheduler:
 
     def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, start: int) -> int:
         n = min(seq.num_prompt - start, budget)
+        # The prompt's tail, the tokens after its last whole block before the last token, is a chunk of its
+        # own: the chunk a later prefix hit of this prompt computes. Both runs then compute it alike (the
+        # same rows in a step of the same shape), not once inside a long chunk and once alone, whose sums
+        # round differently: the same request twice gives the same tokens (issue #26 item 1).
+        tail = (seq.num_prompt - 1) // self.bs * self.bs
+        if start < tail < start + n:
+            n = tail - start
         batch.items.append(ScheduledSeq(seq, start, n, start + n == seq.num_prompt))
         self._counters["prefill_tokens_computed"] += n
         return n

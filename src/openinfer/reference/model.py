@@ -209,17 +209,17 @@ class ReferenceBackend:
                 x, residual = ops.rmsnorm(h, w[p + "input_layernorm.weight"], eps), h
             else:
                 x, residual = ops.add_rmsnorm(h, residual, w[p + "input_layernorm.weight"], eps)
-            q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(T, c.num_attention_heads, c.head_dim)
-            k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(T, c.num_key_value_heads, c.head_dim)
-            v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(T, c.num_key_value_heads, c.head_dim)
+            q = ops.linear(x, w[p + "self_attn.q_proj.weight"]).reshape(T, c.num_attention_heads, c.head_dim)
+            k = ops.linear(x, w[p + "self_attn.k_proj.weight"]).reshape(T, c.num_key_value_heads, c.head_dim)
+            v = ops.linear(x, w[p + "self_attn.v_proj.weight"]).reshape(T, c.num_key_value_heads, c.head_dim)
             q, k = ops.qk_norm_rope(q, k, w[p + "self_attn.q_norm.weight"], w[p + "self_attn.k_norm.weight"],
                                     positions, c.rope_theta, eps)
             ops.kv_write(self.kv_cache, i, k, v, slot_mapping)  # before attention, per the contract
             a = ops.paged_attention(q, self.kv_cache, i, positions, qsl, context_lens, block_tables)
-            h = a.reshape(T, -1) @ w[p + "self_attn.o_proj.weight"].T
+            h = ops.linear(a.reshape(T, -1), w[p + "self_attn.o_proj.weight"])
             x, residual = ops.add_rmsnorm(h, residual, w[p + "post_attention_layernorm.weight"], eps)
-            h = ops.silu_mul(x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T) \
-                @ w[p + "mlp.down_proj.weight"].T
+            h = ops.linear(ops.silu_mul(ops.linear(x, w[p + "mlp.gate_proj.weight"]),
+                                        ops.linear(x, w[p + "mlp.up_proj.weight"])), w[p + "mlp.down_proj.weight"])
             if i in slot_of and len(tap_rows):  # the residual stream after layer i (HF hidden_states[i + 1])
                 tapped[:, slot_of[i]] = (h + residual)[tap_rows]
         return ops.rmsnorm((h + residual)[sample_idx], w["model.norm.weight"], eps), tapped

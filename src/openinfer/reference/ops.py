@@ -53,11 +53,30 @@ def kv_write(cache: np.ndarray, layer: int, k: np.ndarray, v: np.ndarray, slot_m
     cache[blk, layer, 1, :, off, :] = v[keep]
 
 
+# Row-invariant BLAS calls: OpenBLAS takes other kernels for very small matrices (and numpy a GEMV for one
+# row), whose sums round differently; at >= 8 rows a row's result does not depend on how many rows share
+# the call (16 for margin). What keeps a prompt's results independent of how it was cut into steps.
+MIN_ROWS = 16
+SEGMENT = 256  # keys per attention segment: the sums over keys run segment by segment, in order
+
+
+def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """x [M, K] @ w[N, K].T, each row's result the same whatever M (fewer than MIN_ROWS rows are padded)."""
+    if len(x) >= MIN_ROWS:
+        return x @ w.T
+    xp = np.zeros((MIN_ROWS, x.shape[1]), x.dtype)
+    xp[:len(x)] = x
+    return (xp @ w.T)[:len(x)]
+
+
 def paged_attention(q: np.ndarray, cache: np.ndarray, layer: int, positions: np.ndarray,
                     query_start_loc: np.ndarray, context_lens: np.ndarray, block_tables: np.ndarray) -> np.ndarray:
     """Causal GQA attention over each sequence's cached tokens. q [T, nH, D] -> [T, nH, D].
 
-    Query token i of sequence b sees cache positions 0..positions[i] (of its own block table).
+    Query token i of sequence b sees cache positions 0..positions[i] (of its own block table). A row's
+    result does not depend on the other rows of the step or on the context length beyond its position:
+    keys are padded to whole SEGMENTs, the query rows to MIN_ROWS, and the sums over keys run per segment
+    (fixed shapes), folded in segment order.
     """
     T, nH, D = q.shape
     nKV, bs = cache.shape[3], cache.shape[4]
@@ -68,17 +87,27 @@ def paged_attention(q: np.ndarray, cache: np.ndarray, layer: int, positions: np.
         s, e, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(context_lens[b])
         if e == s or n == 0:
             continue
+        t, nseg = e - s, -(-n // SEGMENT)
         blocks = block_tables[b, :-(-n // bs)]
         kv = cache[blocks, layer]  # [nb, 2, nKV, bs, D]
         kv = kv.transpose(1, 2, 0, 3, 4).reshape(2, nKV, -1, D)[:, :, :n]  # [2, nKV, n, D]
-        qb = q[s:e].reshape(e - s, nKV, g, D).transpose(1, 2, 0, 3)  # [nKV, g, t, D]
-        scores = (qb @ kv[0][:, None].swapaxes(-1, -2)) * scale  # [nKV, g, t, n]
-        mask = np.arange(n)[None, :] > positions[s:e, None]  # [t, n]: future keys
-        scores = np.where(mask, F32(-np.inf), scores)
-        scores -= scores.max(-1, keepdims=True)
-        p = np.exp(scores)
-        p /= p.sum(-1, keepdims=True)
-        out[s:e] = (p @ kv[1][:, None]).transpose(2, 0, 1, 3).reshape(e - s, nH, D)
+        kv = np.concatenate([kv, np.zeros((2, nKV, nseg * SEGMENT - n, D), kv.dtype)], 2)
+        tp = max(t, MIN_ROWS)
+        qb = np.zeros((nKV, g, tp, D), F32)
+        qb[:, :, :t] = q[s:e].reshape(t, nKV, g, D).transpose(1, 2, 0, 3)
+        pos = np.full(tp, -1)
+        pos[:t] = positions[s:e]
+        scores = (qb @ kv[0][:, None].swapaxes(-1, -2)) * scale  # [nKV, g, tp, nseg * SEGMENT]
+        scores = np.where(np.arange(nseg * SEGMENT)[None, :] > pos[:, None], F32(-np.inf), scores)
+        m = scores.max(-1, keepdims=True)
+        p = np.exp(scores - np.where(np.isfinite(m), m, F32(0)))  # padding rows: all -inf, p = 0
+        p = p.reshape(nKV, g, tp, nseg, SEGMENT)
+        num, den = np.zeros((nKV, g, tp, D), F32), np.zeros((nKV, g, tp), F32)
+        for j in range(nseg):
+            den += p[..., j, :].sum(-1)
+            num += p[..., j, :] @ kv[1][:, None, j * SEGMENT:(j + 1) * SEGMENT]
+        o = num[:, :, :t] / den[:, :, :t, None]
+        out[s:e] = o.transpose(2, 0, 1, 3).reshape(t, nH, D)
     return out
 
 

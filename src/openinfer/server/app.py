@@ -69,6 +69,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
             yield
         finally:
             watch.cancel()
+            st.metrics.close()
             ae.shutdown()
 
     app = Starlette(routes=routes(), lifespan=lifespan, middleware=[Middleware(_Entry)],

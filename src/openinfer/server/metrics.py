@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import gc
 import logging
 import time
 
@@ -248,6 +249,24 @@ class Metrics:
                                   f"How late the event loop wakes from a {LOOP_PROBE_S * 1e3:g} ms sleep",
                                   registry=self.registry,
                                   buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0))
+
+        # A collection runs on whichever thread allocates and holds the GIL throughout: a long one stalls
+        # the event loop and the engine thread alike.
+        self.gc_pause = Histogram("openinfer_gc_pause_seconds", "Python garbage collections by length",
+                                  ["generation"], registry=self.registry,
+                                  buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
+        self._gc_t0 = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif self._gc_t0:
+            self.gc_pause.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - self._gc_t0)
+
+    def close(self) -> None:
+        if self._on_gc in gc.callbacks:
+            gc.callbacks.remove(self._on_gc)
 
     async def watch_loop(self) -> None:
         """Observes the event loop's lateness until cancelled (started with the app)."""
