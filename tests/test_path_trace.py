@@ -188,3 +188,26 @@ def test_engine_stamps_admission_and_its_steps(tiny_dir, overlap):
         assert first is not None
     finally:
         eng.close()
+
+
+def test_gc_pauses_are_timed_only_while_the_app_runs():
+    """Collections are timed between the app's start and close, never from a Metrics the app did not start
+    (nothing left in gc.callbacks), and the callback itself only queues (a collection can start on a thread
+    that holds a metric's lock): the pause reaches the histogram at the next render."""
+    import gc
+    from types import SimpleNamespace
+
+    from openinfer.server.metrics import Metrics
+    m = Metrics(SimpleNamespace(stats={}, alive=True, step_count=0, busy_seconds=0.0), "m")
+    assert m._on_gc not in gc.callbacks
+    m.start()
+    try:
+        assert m._on_gc in gc.callbacks
+        gc.collect(2)
+        assert m._gc_done and m.gc_pause.labels("2")._sum.get() == 0  # queued, not yet observed
+        count = next(line.split()[-1] for line in m.render().decode().splitlines()
+                     if line.startswith('openinfer_gc_pause_seconds_count{generation="2"}'))
+        assert float(count) >= 1 and not m._gc_done
+    finally:
+        m.close()
+    assert m._on_gc not in gc.callbacks

@@ -120,3 +120,21 @@ def test_tiny_step_is_fast(make_backend):
     t0 = time.perf_counter()
     logits_of(be, [(PROMPT[:40], 0, [1, 2, 3])])
     assert time.perf_counter() - t0 < 1.0
+
+
+def test_rows_are_bit_identical_whatever_the_step(make_backend):
+    """The reference's rows do not depend on the rest of the step (reference/ops.py: padded BLAS rows,
+    attention summed per fixed key segment, the lm_head included): a sequence alone, batched with others,
+    or its prompt cut into other chunks gives the same logits bit for bit."""
+    mk = make_backend
+    seqs = [(PROMPT[:5], 0, [4]), (PROMPT[3:23], 0, [8, 2]), (PROMPT[:33], 0, [1, 11, 6])]
+    batched = logits_of(mk(16), seqs)
+    for i, s in enumerate(seqs):
+        np.testing.assert_array_equal(batched.logits[i], logits_of(mk(16), [s]).logits[0])
+    ids, table = PROMPT[:33], [7, 2, 12]
+    one = logits_of(mk(16), [(ids, 0, table)])
+    be, start = mk(16), 0
+    for n in (7, 16, 1, 9):
+        out = logits_of(be, [(ids[start:start + n], start, table)])
+        start += n
+    np.testing.assert_array_equal(out.logits, one.logits)

@@ -195,36 +195,56 @@ def test_drain_rate_sets_retry_after():
 
 def test_full_queue_is_503_at_once_with_retry_after_from_the_drain_rate(small):
     """One running and two waiting (max_num_seqs 1, max_waiting 2): the next request gets a 503 within
-    100 ms whose Retry-After is the time the queue takes to drain at the rate it drained at. (Each
-    request runs for longer than the drain rate's shortest span, ~1 s on a fast core: the queue is
-    still full when the fourth comes.)"""
-    body = {"prompt": "go", "max_tokens": 150, "ignore_eos": True}
-    outs = []
-    threads = [threading.Thread(target=lambda: outs.append(
-        httpx.post(small.url + "/v1/completions", json=body, headers=AUTH, timeout=120))) for _ in range(3)]
-    for t in threads:
-        t.start()
+    100 ms whose Retry-After is the time the queue takes to drain at the rate it drained at. The running
+    one is a stream held open until the probe has its answer (then dropped: the two waiting ones run),
+    so the queue is full when the probe comes however fast the host runs the model; a few short requests
+    before it give the drain rate admissions to measure."""
+    short = {"prompt": "go", "max_tokens": 4, "ignore_eos": True}
+    for _ in range(3):
+        assert httpx.post(small.url + "/v1/completions", json=short, headers=AUTH, timeout=60).status_code == 200
     ae = small.state.engine
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        body = {"prompt": "go", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=60) as h, h.stream("POST", small.url + "/v1/completions", json=body,
+                                                     headers=AUTH) as r:
+            for _ in r.iter_lines():
+                held.set()
+                if release.is_set():
+                    break  # the client goes away mid-stream: the request is aborted
+
+    outs = []
+    holder = threading.Thread(target=hold)
+    holder.start()
+    threads = [threading.Thread(target=lambda: outs.append(
+        httpx.post(small.url + "/v1/completions", json=short, headers=AUTH, timeout=120))) for _ in range(2)]
     try:
+        assert held.wait(20)
+        for t in threads:
+            t.start()
         assert wait_until(lambda: ae.stats.get("num_waiting") == 2, 20)
-        time.sleep(DrainRate.MIN_SPAN_S)
+        time.sleep(DrainRate.MIN_SPAN_S)  # the rate's samples span at least its shortest span
         with httpx.Client(timeout=10) as h:
             h.get(small.url + "/health")  # connected: the time below is the server's answer alone
             t0 = time.perf_counter()
-            r = h.post(small.url + "/v1/completions", json=body, headers=AUTH)
+            r = h.post(small.url + "/v1/completions", json=short, headers=AUTH)
             dt = time.perf_counter() - t0
         expect = ae.retry_after()
         rate = ae.drain.rate()
     finally:
+        release.set()
+        holder.join(60)
         for t in threads:
             t.join(120)
     assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", r.text
     assert dt < 0.1, dt
     ra = int(r.headers["retry-after"])
     assert abs(ra - expect) <= 1 and 1 <= ra <= DrainRate.MAX_S
+    assert rate  # the short requests and the held one were admitted within the window
     if rate:  # two ahead, drained at the observed rate
         assert abs(ra - min(DrainRate.MAX_S, math.ceil(2 / rate))) <= 1, (ra, rate)
-    assert [o.status_code for o in outs] == [200] * 3
+    assert [o.status_code for o in outs] == [200] * 2
     assert_idle(small)
 
 

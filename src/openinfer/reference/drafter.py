@@ -120,4 +120,4 @@ class ReferenceDrafter:
             x = x + ops.silu_mul(m @ w[pre + "mlp.gate_proj.weight"].T, m @ w[pre + "mlp.up_proj.weight"].T) \
                 @ w[pre + "mlp.down_proj.weight"].T
         h = ops.rmsnorm(x, w["norm.weight"], c.rms_norm_eps)[c.first_slot:]
-        return h @ self.lm_head.T
+        return ops.linear(h, self.lm_head)

@@ -158,7 +158,7 @@ class ReferenceBackend:
             rows = np.arange(len(ids))
         hidden, tapped = self._forward(ids, s.positions, s.query_start_loc, s.context_lens, s.block_tables,
                                        s.slot_mapping, s.sample_idx, np.array(taps, np.int32), rows)
-        logits = hidden @ self.lm_head.T  # [S, V], only rows that sample
+        logits = ops.linear(hidden, self.lm_head)  # [S, V], only rows that sample; rows alike alone or batched
         tokens = ops.sample(logits, s.temperature, s.top_p, s.top_k, s.seeds, s.positions[s.sample_idx])
         lp = ops.log_softmax(logits)
         out = StepOutput(tokens=tokens, logprobs=lp[np.arange(len(tokens)), tokens].astype(F32))

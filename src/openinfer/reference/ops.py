@@ -53,20 +53,26 @@ def kv_write(cache: np.ndarray, layer: int, k: np.ndarray, v: np.ndarray, slot_m
     cache[blk, layer, 1, :, off, :] = v[keep]
 
 
-# Row-invariant BLAS calls: OpenBLAS takes other kernels for very small matrices (and numpy a GEMV for one
-# row), whose sums round differently; at >= 8 rows a row's result does not depend on how many rows share
-# the call (16 for margin). What keeps a prompt's results independent of how it was cut into steps.
+# Row-invariant BLAS calls: OpenBLAS picks its kernel, blocking and threads from the matrix's shape, so a
+# row's sums round differently with the number of rows beside it (even past 16). Every product runs as a
+# stack of MIN_ROWS-row matrices (the last one padded), so each row is computed by a call of one shape
+# whatever the step: what keeps a prompt's results independent of how it was cut into steps and batched.
 MIN_ROWS = 16
 SEGMENT = 256  # keys per attention segment: the sums over keys run segment by segment, in order
 
 
 def linear(x: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """x [M, K] @ w[N, K].T, each row's result the same whatever M (fewer than MIN_ROWS rows are padded)."""
-    if len(x) >= MIN_ROWS:
-        return x @ w.T
-    xp = np.zeros((MIN_ROWS, x.shape[1]), x.dtype)
-    xp[:len(x)] = x
-    return (xp @ w.T)[:len(x)]
+    """x [M, K] @ w[N, K].T, each row's result the same whatever M (MIN_ROWS rows per BLAS call)."""
+    m = len(x)
+    if m == 0:
+        return np.zeros((0, w.shape[0]), np.result_type(x, w))
+    mp = -(-m // MIN_ROWS) * MIN_ROWS
+    if mp != m:
+        xp = np.zeros((mp, x.shape[1]), x.dtype)
+        xp[:m] = x
+    else:
+        xp = np.ascontiguousarray(x)
+    return np.matmul(xp.reshape(mp // MIN_ROWS, MIN_ROWS, -1), w.T).reshape(mp, -1)[:m]
 
 
 def paged_attention(q: np.ndarray, cache: np.ndarray, layer: int, positions: np.ndarray,
@@ -92,20 +98,28 @@ def paged_attention(q: np.ndarray, cache: np.ndarray, layer: int, positions: np.
         kv = cache[blocks, layer]  # [nb, 2, nKV, bs, D]
         kv = kv.transpose(1, 2, 0, 3, 4).reshape(2, nKV, -1, D)[:, :, :n]  # [2, nKV, n, D]
         kv = np.concatenate([kv, np.zeros((2, nKV, nseg * SEGMENT - n, D), kv.dtype)], 2)
-        tp = max(t, MIN_ROWS)
+        R = MIN_ROWS
+        tp = -(-t // R) * R
         qb = np.zeros((nKV, g, tp, D), F32)
         qb[:, :, :t] = q[s:e].reshape(t, nKV, g, D).transpose(1, 2, 0, 3)
+        qb = qb.reshape(nKV, g, tp // R, R, D)
         pos = np.full(tp, -1)
         pos[:t] = positions[s:e]
-        scores = (qb @ kv[0][:, None].swapaxes(-1, -2)) * scale  # [nKV, g, tp, nseg * SEGMENT]
-        scores = np.where(np.arange(nseg * SEGMENT)[None, :] > pos[:, None], F32(-np.inf), scores)
-        m = scores.max(-1, keepdims=True)
+        keys = kv[0].reshape(nKV, nseg, SEGMENT, D)
+        # every product below is a stack of [R, D] @ [D, SEGMENT] or [R, SEGMENT] @ [SEGMENT, D] matrices
+        scores = np.empty((nKV, g, tp // R, R, nseg, SEGMENT), F32)
+        for j in range(nseg):
+            scores[..., j, :] = qb @ keys[:, None, None, j].swapaxes(-1, -2)
+        scores *= scale
+        masked = np.arange(nseg * SEGMENT).reshape(nseg, SEGMENT)[None] > pos.reshape(tp // R, R)[..., None, None]
+        scores = np.where(masked, F32(-np.inf), scores)
+        m = scores.max((-2, -1), keepdims=True)
         p = np.exp(scores - np.where(np.isfinite(m), m, F32(0)))  # padding rows: all -inf, p = 0
-        p = p.reshape(nKV, g, tp, nseg, SEGMENT)
-        num, den = np.zeros((nKV, g, tp, D), F32), np.zeros((nKV, g, tp), F32)
+        num, den = np.zeros((nKV, g, tp // R, R, D), F32), np.zeros((nKV, g, tp // R, R), F32)
         for j in range(nseg):
             den += p[..., j, :].sum(-1)
-            num += p[..., j, :] @ kv[1][:, None, j * SEGMENT:(j + 1) * SEGMENT]
+            num += p[..., j, :] @ kv[1][:, None, None, j * SEGMENT:(j + 1) * SEGMENT]
+        num, den = num.reshape(nKV, g, tp, D), den.reshape(nKV, g, tp)
         o = num[:, :, :t] / den[:, :, :t, None]
         out[s:e] = o.transpose(2, 0, 1, 3).reshape(t, nH, D)
     return out

@@ -64,6 +64,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     @contextlib.asynccontextmanager
     async def lifespan(app):
         ae.start()
+        st.metrics.start()
         watch = asyncio.create_task(st.metrics.watch_loop())
         try:
             yield

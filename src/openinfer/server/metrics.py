@@ -12,6 +12,7 @@ import bisect
 import gc
 import logging
 import time
+from collections import deque
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -256,13 +257,25 @@ class Metrics:
                                   ["generation"], registry=self.registry,
                                   buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
         self._gc_t0 = 0.0
-        gc.callbacks.append(self._on_gc)
+        self._gc_done: deque[tuple[str, float]] = deque(maxlen=4096)
 
     def _on_gc(self, phase: str, info: dict) -> None:
+        # Only a deque append here: a collection can start inside any allocation, on a thread that holds
+        # a metric's lock (a render), and taking that lock again from here would deadlock it.
         if phase == "start":
             self._gc_t0 = time.perf_counter()
         elif self._gc_t0:
-            self.gc_pause.labels(str(info.get("generation", "?"))).observe(time.perf_counter() - self._gc_t0)
+            self._gc_done.append((str(info.get("generation", "?")), time.perf_counter() - self._gc_t0))
+
+    def _flush_gc(self) -> None:
+        while self._gc_done:
+            gen, dt = self._gc_done.popleft()
+            self.gc_pause.labels(gen).observe(dt)
+
+    def start(self) -> None:
+        """Starts timing collections (with the app's lifespan; `close` ends it)."""
+        if self._on_gc not in gc.callbacks:
+            gc.callbacks.append(self._on_gc)
 
     def close(self) -> None:
         if self._on_gc in gc.callbacks:
@@ -274,8 +287,10 @@ class Metrics:
             t = time.perf_counter()
             await asyncio.sleep(LOOP_PROBE_S)
             self.loop_lag.observe(max(0.0, time.perf_counter() - t - LOOP_PROBE_S))
+            self._flush_gc()
 
     def render(self) -> bytes:
+        self._flush_gc()
         return generate_latest(self.registry) + self.path.render().encode()
 
 
