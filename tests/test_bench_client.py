@@ -230,7 +230,8 @@ def test_max_concurrency_queueing_excluded_from_ttft(fake_server):
                         initial_test=False)
     e2el = TTFT_S + (CHUNKS - 1) * GAP_S
     assert m["completed"] == 3
-    assert max(o.ttft for o in outs) < TTFT_S + 0.03  # no queueing in TTFT
+    # no queueing in TTFT: a queued request's would be at least e2el + TTFT_S (0.26 s); the margin is for a loaded host
+    assert max(o.ttft for o in outs) < TTFT_S + e2el / 2
     starts = sorted(o.start_time for o in outs)
     assert min(np.diff(starts)) >= e2el - 0.005  # strictly one at a time
     assert 3 * e2el <= m["duration"] <= 3 * e2el + 0.3
