@@ -27,7 +27,9 @@
 # server's log, ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
 # closed-loop at concurrency 64 for 20 s, then OVERLOAD_FACTOR (2) times it for 60 s: every request done
 # or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min), gpusuite (every GPU test in one pytest
-# process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; ~10 min, a call of its own).
+# process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; ~10 min, a call of its own),
+# capsweep (QPS 32 and concurrency 64, 40 s each, a fresh server per point, at each --max-prefill-tokens-while-decoding
+# in CAPS, default 1024 2048 4096: issue #25 item 4).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -113,6 +115,11 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
           POINT_SECONDS=${POINT_SECONDS:-40} QPS_GRID="32" CONC_GRID=" " EXTRA_QPS=" " EXTRA_CONC="64" \
             SERVER_CMD="$cmd" TAG=qwen3-4b-$tree bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/ab" | tail -3
         done ;;
+    capsweep) need_4b && for cap in ${CAPS:-1024 2048 4096}; do  # the prompt-token cap per step while requests decode
+                POINT_SECONDS=${POINT_SECONDS:-40} QPS_GRID="32" CONC_GRID=" " EXTRA_QPS=" " EXTRA_CONC="64" \
+                  SERVER_ARGS="--max-prefill-tokens-while-decoding $cap" TAG=qwen3-4b-cap$cap \
+                  bash bench/run_serving_bench.sh "$CKPT4B" "$OUT/capsweep" | tail -3
+              done ;;
     attn) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
             -k "paged_attention or key_warps or split_attention" 2>&1 | tail -3
           python3 -m pytest -q -p no:cacheprovider tests/test_gpu_graphs.py 2>&1 | tail -2
