@@ -126,7 +126,7 @@ def test_rows_are_bit_identical_whatever_the_step(make_backend):
     """The reference's rows do not depend on the rest of the step (reference/ops.py: padded BLAS rows,
     attention summed per fixed key segment, the lm_head included): a sequence alone, batched with others,
     or its prompt cut into other chunks gives the same logits bit for bit."""
-    mk = make_backend
+    mk = make_backend  # a fresh backend (empty cache) per run
     seqs = [(PROMPT[:5], 0, [4]), (PROMPT[3:23], 0, [8, 2]), (PROMPT[:33], 0, [1, 11, 6])]
     batched = logits_of(mk(16), seqs)
     for i, s in enumerate(seqs):
