@@ -71,6 +71,63 @@ def test_gemm(model, M):
         assert rel_err(f32(got), want + f32(y0)) < TOL["bf16_gemm"], (N, K)
 
 
+@pytest.mark.parametrize("model", ["4b", "8b", "32b"])
+def test_fixed_gemm_rows_do_not_depend_on_m(model):
+    """The batch-invariant GEMM (--deterministic): every row of a call equals the same row computed in a call
+    of other M, bit for bit (1 row, odd counts, tile edges, a prefill's 2500), with and without the residual
+    in the epilogue; every tile family gives the same bits on the same rows (the launcher picks them by M
+    and N); and it is a correct GEMM against fp32."""
+    rng = np.random.default_rng(7)
+    Ms = [1, 2, 5, 16, 17, 64, 65, 127, 129, 1000, 2500]
+    for N, K in GEMMS[model]:
+        x, w = rand_bf16(rng, (max(Ms), K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+        y0 = rand_bf16(rng, (max(Ms), N))
+        full = ops().gemm(x, w, max(Ms), N, K, None, False, fixed=True)
+        full_acc = ops().gemm(x, w, max(Ms), N, K, y0, False, fixed=True)
+        assert rel_err(f32(full[-64:]), f32(x[-64:]) @ f32(w).T) < TOL["bf16_gemm"], (N, K)
+        assert rel_err(f32(full_acc[-64:]), f32(x[-64:]) @ f32(w).T + f32(y0[-64:])) < TOL["bf16_gemm"], (N, K)
+        for M in Ms[:-1]:
+            part = ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True)  # the last M rows, alone
+            np.testing.assert_array_equal(part, full[-M:], err_msg=f"N={N} K={K} M={M}")
+            part = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, fixed=True)
+            np.testing.assert_array_equal(part, full_acc[-M:], err_msg=f"N={N} K={K} M={M}, residual")
+        for config in range(ops().FIXED_GEMM_CONFIGS):
+            for M in (3, 80):
+                got = ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True, config=config)
+                np.testing.assert_array_equal(got, full[-M:], err_msg=f"N={N} K={K} M={M} config {config}")
+
+
+@pytest.mark.parametrize("N,K", [(1034, 1032), (258, 72), (2, 8)])
+def test_fixed_gemm_awkward_shapes(N, K):
+    """The batch-invariant GEMM at shapes off every tile: N past a tile edge, K not a multiple of the K step
+    (1032 = 8 x 129: a last 8-wide chunk; 72: fewer stages than the pipeline holds), a 2 x 8 weight; fp32
+    out with the accumulate epilogue. Rows and tile families as in the test above."""
+    rng = np.random.default_rng(N + K)
+    x, w = rand_bf16(rng, (300, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    y0 = rng.standard_normal((300, N)).astype(np.float32)
+    full = ops().gemm(x, w, 300, N, K, None, False, fixed=True)
+    assert rel_err(f32(full), f32(x) @ f32(w).T) < TOL["bf16_gemm"]
+    logits = ops().gemm(x, w, 300, N, K, y0, True, fixed=True)
+    np.testing.assert_allclose(logits, f32(x) @ f32(w).T + y0, rtol=1e-4, atol=1e-4)
+    for M in (1, 5, 17, 64, 65, 299):
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True), full[-M:])
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, y0[-M:], True, fixed=True), logits[-M:])
+    for config in range(ops().FIXED_GEMM_CONFIGS):
+        np.testing.assert_array_equal(ops().gemm(x, w, 300, N, K, None, False, fixed=True, config=config), full)
+
+
+def test_fixed_gemm_fp32_logits_do_not_depend_on_m():
+    """The lm_head through the batch-invariant GEMM: fp32 logits, a sampled row alone equals the same row
+    among 64, and both are close to fp32."""
+    rng = np.random.default_rng(3)
+    K = 2560
+    x, w = rand_bf16(rng, (64, K)), rand_bf16(rng, (V, K), 1.0 / np.sqrt(K))
+    many = ops().gemm(x, w, 64, V, K, None, True, fixed=True)
+    assert many.dtype == np.float32 and rel_err(many, f32(x) @ f32(w).T) < TOL["bf16_gemm"]
+    for M in (1, 7):
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, V, K, None, True, fixed=True), many[-M:])
+
+
 def test_gemm_fp32_out_lm_head():
     rng = np.random.default_rng(0)
     M, N, K = 3, V, 2560
@@ -227,6 +284,52 @@ def test_split_attention_equals_single_pass(batch, ctx):
     split, used = ops().paged_attention(*args, 0)
     assert rel_err(f32(one).reshape(want.shape), want) < TOL["attention"]
     assert rel_err(f32(split), f32(one)) < TOL["attention"] / 2, used
+
+
+@pytest.mark.parametrize("model", ["4b", "32b"])
+@pytest.mark.parametrize("n", [1, 17, 1024, 1025, 2500, 5000])
+def test_segmented_attention_rows_do_not_depend_on_the_step(model, n):
+    """Chunk-invariant attention (AttnArgs::segment, steps with prompt tokens): a token's row is the same
+    bits whether computed inside the whole prompt (items of 16 or 8 tokens from position 0), in a tail of
+    16 after its cached prefix, alone, beside other sequences (other rows per block), as one of 64 decode
+    rows, split one segment per block or folded in one block; and the tail is close to the fp32 reference."""
+    _, _, nH, nKV = SHAPES[model]
+    S = ops().ATTN_SEGMENT
+    rng = np.random.default_rng(n * 31 + nH)
+    nb = -(-n // 16)
+    bt = rng.permutation(np.arange(1, nb + 4))[:nb].astype(np.int32)[None, :]  # scattered pages
+    cache = _cache(rng, nb + 4, 2, nKV)
+    qkv = rand_bf16(rng, (n, (nH + 2 * nKV) * D))
+    i32 = lambda *a: np.array(a[0] if len(a) == 1 else a, dtype=np.int32)  # noqa: E731
+
+    def run(seqs, splits):
+        """seqs: (first position, count, context) of the one sequence's tokens, each its own sequence
+        in the launch over the same pages; out rows in the order given."""
+        rows = np.concatenate([np.arange(p0, p0 + k) for p0, k, _ in seqs])
+        qsl = i32(np.cumsum([0] + [k for _, k, _ in seqs]))
+        ctx = i32([c for _, _, c in seqs])
+        out, used = ops().paged_attention(qkv[rows], cache.reshape(-1), np.repeat(bt, len(seqs), 0), qsl, ctx,
+                                          i32(rows), 1, 2, nH, nKV, splits, segment=S)
+        return out, used, rows
+
+    full, used, _ = run([(0, n, n)], 1)
+    assert used == 1
+    segments = -(-n // S)
+    t = min(16, n)
+    cases = {"tail": [(n - t, t, n)], "last_row": [(n - 1, 1, n)],
+             "tail_beside_others": [(0, min(n, 100), min(n, 100)), (n - t, t, n), (0, 1, 1)],
+             "64_decode_rows": [(int(p), 1, int(p) + 1) for p in np.sort(rng.integers(0, n, 63))] + [(n - 1, 1, n)]}
+    for name, seqs in cases.items():
+        for splits in (1, 0):  # folded in one block; the launch's choice (a split per segment on a small grid)
+            out, used, rows = run(seqs, splits)
+            assert splits == 1 or used in (1, segments), (name, used)
+            np.testing.assert_array_equal(out, full[rows], err_msg=f"{name}, splits {splits} (used {used})")
+    if segments > 1:  # a split per segment, forced, for the whole prompt too
+        out, used, _ = run([(0, n, n)], segments)
+        np.testing.assert_array_equal(out, full, err_msg="whole prompt split per segment")
+    q = f32(qkv[n - t:]).reshape(t, -1, D)[:, :nH]
+    want = ref.paged_attention(q, f32(cache), 1, i32(np.arange(n - t, n)), i32(0, t), i32([n]), bt)
+    assert rel_err(f32(full[n - t:]).reshape(want.shape), want) < TOL["attention"]
 
 
 def test_split_attention_32k_batch1_fills_gpu():

@@ -8,6 +8,7 @@
 #include <memory>
 
 #include "../engine/plan.h"
+#include "../gemm/fixed_gemm.h"
 #include "../gemm/gemm.h"
 #include "../kernels/attention.cuh"
 #include "../kernels/elementwise.cuh"
@@ -95,7 +96,8 @@ void bind_ops(py::module_& m) {
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     return dout.get<uint16_t>({T, H});
   });
-  ops.def("gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init, bool out_f32) {
+  ops.def("gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init, bool out_f32,
+                     bool fixed, int config) {
     const size_t ob = (size_t)M * N * (out_f32 ? 4 : 2);
     Dev dx(x), dw(w), dy(ob);
     const bool acc = !y_init.is_none();
@@ -104,11 +106,18 @@ void bind_ops(py::module_& m) {
       if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemm: y_init has the wrong size");
       OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
     }
-    ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0);
+    if (fixed && config >= 0)
+      fixed_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, config);
+    else
+      ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, fixed);
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     if (out_f32) return py::array(dy.get<float>({M, N}));
     return py::array(dy.get<uint16_t>({M, N}));
-  });
+  }, py::arg("x"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("y_init"), py::arg("out_f32"),
+     py::arg("fixed") = false, py::arg("config") = -1,
+     "Y = X Wᵀ (+ y_init); fixed: the batch-invariant kernel (rows do not depend on M), config >= 0 forcing its tile "
+     "family");
+  ops.attr("FIXED_GEMM_CONFIGS") = kFixedGemmConfigs;
   ops.def("gemv", [](const Arr<uint16_t>& x, py::object norm_w, const Arr<uint16_t>& w, int M, int N, int K, int in_mode,
                      int out_mode, py::object y_init, float eps, int kernel) {
     const bool f32out = out_mode == (int)GemvOut::kF32;
@@ -151,7 +160,8 @@ void bind_ops(py::module_& m) {
   ops.def("paged_attention",
           [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& cache, const Arr<int32_t>& block_tables,
              const Arr<int32_t>& qsl, const Arr<int32_t>& context_lens, const Arr<int32_t>& positions, int layer,
-             int num_layers, int num_heads, int num_kv_heads, int num_splits, bool key_warps, int cluster_cap) {
+             int num_layers, int num_heads, int num_kv_heads, int num_splits, bool key_warps, int cluster_cap,
+             int segment) {
             const int T = (int)positions.size(), B = (int)context_lens.size(), D = 128;
             if (qsl.size() != B + 1) throw std::invalid_argument("paged_attention: query_start_loc must have B + 1 entries");
             const AttnVariant variant{key_warps, cluster_cap};
@@ -162,11 +172,15 @@ void bind_ops(py::module_& m) {
             OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
             const int max_split_rows = 1 << 16;
             if (num_splits <= 0)
-              num_splits = attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T, prop.multiProcessorCount,
-                                           max_split_rows, max_rows, variant);
+              num_splits = segment > 0 ? attn_segment_splits((int)work.size(), num_kv_heads, max_ctx, T,
+                                                             prop.multiProcessorCount, max_split_rows)
+                                       : attn_num_splits((int)work.size(), num_kv_heads, max_ctx, T,
+                                                         prop.multiProcessorCount, max_split_rows, max_rows, variant);
+            if (segment > 0 && num_splits > 1 && num_splits < (max_ctx + segment - 1) / segment)
+              throw std::invalid_argument("paged_attention: a segmented split launch needs a split per segment");
             Dev dq(qkv), dc(cache), dbt(block_tables), dpos(positions), dctx(context_lens);
             Dev dwork(work.size() * sizeof(AttnWork)), dout((size_t)T * num_heads * D * 2);
-            Dev dwo((size_t)num_splits * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
+            Dev dwo((size_t)std::max(num_splits, 1) * T * num_heads * D * 4), dwl((size_t)num_splits * T * num_heads * 4);
             Dev dcnt(work.size() * num_kv_heads * sizeof(int));
             OI_CUDA_CHECK(cudaMemset(dcnt.p, 0, work.size() * num_kv_heads * sizeof(int)));
             OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
@@ -191,6 +205,7 @@ void bind_ops(py::module_& m) {
             a.ws_lse = dwl.as<float>();
             a.counters = dcnt.as<int>();
             a.variant = variant;
+            a.segment = segment;
             paged_attention(a, 0);
             OI_CUDA_CHECK(cudaDeviceSynchronize());
             std::vector<int> cnt(work.size() * num_kv_heads);
@@ -200,9 +215,11 @@ void bind_ops(py::module_& m) {
           },
           py::arg("qkv"), py::arg("cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
           py::arg("positions"), py::arg("layer"), py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"),
-          py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0,
+          py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0, py::arg("segment") = 0,
           "(out, splits used); num_splits <= 0: the launch heuristic; key_warps False: one-warp decode blocks; "
-          "cluster_cap > 0: decode clusters of at most that many blocks");
+          "cluster_cap > 0: decode clusters of at most that many blocks; segment > 0: chunk-invariant keys in segments of "
+          "that many (AttnArgs::segment), num_splits <= 0 then attn_segment_splits' count");
+  ops.attr("ATTN_SEGMENT") = kAttnSegment;
   ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
                        const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,
                        int num_logprobs) {

@@ -89,7 +89,7 @@ void Engine::release() noexcept {
 
 StepLimits Engine::limits() const {
   return StepLimits{opt_.max_num_batched_tokens, opt_.max_num_seqs, max_rows(), opt_.max_model_len, opt_.kv_block_size,
-                    num_sms_, max_split_rows_, dr_ ? dr_->dims.block_size : 0, num_blocks_, num_host_blocks_};
+                    num_sms_, max_split_rows_, dr_ ? dr_->dims.block_size : 0, opt_.deterministic, num_blocks_, num_host_blocks_};
 }
 
 StepResult Engine::step(const StepInput& in) {
@@ -175,6 +175,10 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   m.num_logprobs = in.num_logprobs;
   m.attention = eager_kernels_.attention;
   m.gemv = eager_kernels_.gemv;
+  m.gemm_path = opt_.deterministic        ? GemmPath::kInvariant
+                : opt_.fixed_gemm_small ? GemmPath::kInvariantSmall
+                                        : GemmPath::kLibrary;
+  m.attn_segment = plan.segment;
   m.ids = (const int32_t*)put(in.input_ids, T * 4);
   m.positions = (const int32_t*)put(in.positions, T * 4);
   m.slots = (const int32_t*)put(in.slot_mapping, T * 4);

@@ -19,7 +19,9 @@ namespace oi {
   X(bool, cuda_graph)                 \
   X(bool, pdl)                        \
   X(bool, gemm_autotune)              \
-  X(bool, persistent_decode)
+  X(bool, persistent_decode)          \
+  X(bool, deterministic)              \
+  X(bool, fixed_gemm_small)
 
 struct EngineOptions {
 #define OI_DECLARE_OPTION(type, name) type name{};

@@ -64,8 +64,13 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
     p.max_ctx = std::max(p.max_ctx, ctx);
   }
   p.work = attention_work(qsl, B, group, &p.max_rows);
-  p.num_splits = attn_num_splits((int)p.work.size(), d.kv_heads, p.max_ctx, T, lim.num_sms, lim.max_split_rows,
-                                 p.max_rows, v);
+  if (lim.deterministic) {  // a row's attention must not depend on the step it is in
+    p.segment = kAttnSegment;
+    p.num_splits = attn_segment_splits((int)p.work.size(), d.kv_heads, p.max_ctx, T, lim.num_sms, lim.max_split_rows);
+  } else {
+    p.num_splits = attn_num_splits((int)p.work.size(), d.kv_heads, p.max_ctx, T, lim.num_sms, lim.max_split_rows,
+                                   p.max_rows, v);
+  }
   for (int t = 0; t < T; ++t) {
     const bool fed = in.prev_rows && t < B && in.prev_rows[t] >= 0;  // comes from the previous step's output
     OI_INPUT_CHECK(fed || (in.input_ids[t] >= 0 && in.input_ids[t] < d.vocab), "token id " << in.input_ids[t] << " out of range");

@@ -23,6 +23,7 @@ namespace oi {
 struct StepLimits {
   int max_num_tokens, max_num_seqs, max_sampled_rows, max_model_len, block_size, num_sms, max_split_rows;
   int draft_block;  // the drafter's block size (positions a draft writes past the step's), 0: no drafter
+  bool deterministic;  // EngineConfig.deterministic: segmented attention in every step
   int64_t num_blocks, num_host_blocks;
 };
 
@@ -34,6 +35,7 @@ struct StepPlan {
   std::vector<int32_t> draft_seqs;  // sequences that draft after the step, and the sampled row of each (verify:
   std::vector<int32_t> draft_rows;  // its first; the drafter adds the accepted count on the device)
   int max_ctx = 0, max_rows = 1, num_splits = 1;
+  int segment = 0;  // AttnArgs::segment: kAttnSegment in chunk-invariant steps
 };
 
 // Attention work items of a step: each sequence's tokens in items of up to attn_tokens_per_item(group).

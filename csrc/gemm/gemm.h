@@ -21,7 +21,9 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
-  void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s);
+  // fixed: the batch-invariant kernel (fixed_gemm.h) instead, whose rows do not depend on M (--deterministic).
+  void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s,
+           bool fixed = false);
   // While on, a new shape with M <= 512 times the heuristic's candidates on the buffers it is given and
   // keeps the fastest (the data is overwritten: only for warm-up passes over dummy inputs).
   void set_autotune(bool on) { autotune_ = on; }

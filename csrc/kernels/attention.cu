@@ -6,6 +6,7 @@
 #include "async_copy.cuh"
 #include "attention.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 
 namespace oi {
 namespace {
@@ -23,18 +24,6 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* smem) {
-  const uint32_t s = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(s));
-}
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
@@ -48,6 +37,21 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+// Chunk-invariant folding (AttnArgs::segment): a segment's normalized partial v (its log-sum-exp lse) joins
+// the running (M, D, A) of its row, in segment order. The block that folds as it goes and the merge kernel
+// of a split launch both use exactly these operations (no contraction left to the compiler), so the two
+// give the same bits.
+__device__ __forceinline__ void seg_weights(float& M, float& D, float lse, float& wa, float& wb) {
+  const float mn = fmaxf(M, lse);
+  wa = exp2f(M - mn);  // 0 for the first segment (M = -inf)
+  wb = exp2f(lse - mn);
+  D = __fmaf_rn(D, wa, wb);
+  M = mn;
+}
+__device__ __forceinline__ float seg_fold(float A, float wa, float wb, float v) { return __fmaf_rn(A, wa, __fmul_rn(wb, v)); }
+// A row of one segment is written as it is, but with -0 made +0: folding it once (0 * 0 + v) would.
+__device__ __forceinline__ float seg_one(float v) { return __fadd_rn(v, 0.f); }
 
 template <int NW, int KT, bool KW = false>
 constexpr size_t smem_main_bytes() {  // Q rows and the K/V stages (reused by the merges after the key loop)
@@ -78,9 +82,13 @@ __device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.c
 // norm + RoPE + KV write kernel; with it, this kernel writes the newest keys itself). No early
 // trigger: the o projection's weight requests would compete with the merge (a trigger after the key
 // loop measured 3-6% slower per step at batch 1).
-template <int NW, int KT, bool CLU, bool KW>
+// SEG (a.segment > 0, row-warp blocks of 64-key tiles only): chunk-invariant keys, see AttnArgs::segment.
+// An unsplit block folds each row's finished segment into a running total kept in the workspace (split 0's
+// rows, free in an unsplit launch), a split block computes one segment.
+template <int NW, int KT, bool CLU, bool KW, bool SEG>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
   static_assert(!KW || CLU, "key warps merge through the cluster path");
+  static_assert(!SEG || (KT == 64 && !CLU && !KW), "chunk-invariant keys take row-warp blocks of 64-key tiles");
   static_assert(!KW || (KT == 16 && kAttnChunkAlign % (NW * 16) == 0), "key-warp ranges start on whole pages");
   constexpr int kRows = KW ? 16 : 16 * NW, kThreads = NW * 32, kNT = KT / 8;
   // Tile loaders: the whole block (row warps share tiles) or each warp alone (key warps).
@@ -101,7 +109,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   const int ctx = a.context_lens[w.seq];
   const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;  // causal bound of the item's last token
   // Whole aligned chunks: a short context under a graph's (long-context) split count uses few splits.
-  const int chunk = ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
+  const int chunk = SEG ? (a.num_splits == 1 ? kv_end : a.segment)
+                        : ((ctx + a.num_splits - 1) / a.num_splits + kAttnChunkAlign - 1) / kAttnChunkAlign * kAttnChunkAlign;
   // Splits past this item's keys do nothing: they exit before touching memory, and the item's merge
   // counts and reads only the `used` ones (one used split writes the output directly).
   const int used = min(a.num_splits, (kv_end + chunk - 1) / chunk);
@@ -228,6 +237,37 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
 #pragma unroll
   for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
+  auto row_index = [&](int r) { return (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group; };
+  // SEG, unsplit: each row's segments folded so far (M, D here, A in the workspace); M = -inf: none yet.
+  float seg_m[2] = {kNegInf, kNegInf}, seg_d[2] = {0.f, 0.f};
+  // Folds the segment just finished into the running totals and starts the next from a fresh state
+  // (warp-uniform call: the row sums' shuffles).
+  auto fold_segment = [&] {
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      float lt = l[h2];
+      lt += __shfl_xor_sync(0xffffffffu, lt, 1);
+      lt += __shfl_xor_sync(0xffffffffu, lt, 2);
+      const int r = wrow + g + 8 * h2;
+      if (lt > 0.f && r < rows) {  // a segment past the row's position holds nothing: no fold
+        const float inv = 1.f / lt, lse = m[h2] + log2f(lt);
+        const bool first = seg_m[h2] == kNegInf;
+        float wa, wb;
+        seg_weights(seg_m[h2], seg_d[h2], lse, wa, wb);
+        float* acc = a.ws_o + row_index(r) * kD + 2 * c;
+#pragma unroll
+        for (int dn = 0; dn < kD / 8; ++dn) {
+          const float2 prev = first ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(acc + dn * 8);
+          *reinterpret_cast<float2*>(acc + dn * 8) = make_float2(seg_fold(prev.x, wa, wb, o[dn][2 * h2] * inv),
+                                                                 seg_fold(prev.y, wa, wb, o[dn][2 * h2 + 1] * inv));
+        }
+      }
+#pragma unroll
+      for (int dn = 0; dn < kD / 8; ++dn) o[dn][2 * h2] = o[dn][2 * h2 + 1] = 0.f;
+      m[h2] = kNegInf;
+      l[h2] = 0.f;
+    }
+  };
 
   // Row warps share the tiles (block barriers); key warps own theirs (warp barriers, own trip counts).
   auto tile_sync = [] {
@@ -236,6 +276,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   };
   for (int k0 = klo, it = 0; k0 < khi; k0 += KT, ++it) {
     const int stage = it % kStages;
+    if constexpr (SEG)  // an unsplit block at a segment boundary (a split block's keys are one segment)
+      if (k0 > lo && k0 % a.segment == 0 && warp_active) fold_segment();
     // Tile it + kStages - 1 refills the stage computed in the previous iteration (freed by its closing sync).
     if (k0 + (kStages - 1) * KT < khi) load_tile((it + kStages - 1) % kStages, k0 + (kStages - 1) * KT);
     else cp_async_commit();
@@ -336,7 +378,6 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 1);
     l[h2] += __shfl_xor_sync(0xffffffffu, l[h2], 2);
   }
-  auto row_index = [&](int r) { return (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group; };
   const int64_t split_stride = (int64_t)a.num_tokens * a.num_heads;
   if constexpr (CLU) {
     // Each block's normalized partial and log-sum-exp go to its own shared memory (free now) ...
@@ -443,11 +484,29 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     if (r >= rows) continue;
     const int t = w.tok_start + r / group, h = kvh * group + r % group;
     const float inv = l[h2] > 0.f ? 1.f / l[h2] : 0.f;
-    if (direct) {
+    if (SEG && direct && seg_m[h2] != kNegInf) {  // folded before: fold the last segment, write A / D
+      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
+      const float* acc = a.ws_o + row_index(r) * kD + 2 * c;
+      float wa = 1.f, wb = 0.f;
+      if (l[h2] > 0.f) seg_weights(seg_m[h2], seg_d[h2], m[h2] + log2f(l[h2]), wa, wb);
+      const float dinv = 1.f / seg_d[h2];
+#pragma unroll
+      for (int dn = 0; dn < kD / 8; ++dn) {
+        const float2 prev = *reinterpret_cast<const float2*>(acc + dn * 8);
+        float x = prev.x, y = prev.y;
+        if (l[h2] > 0.f) {
+          x = seg_fold(x, wa, wb, o[dn][2 * h2] * inv);
+          y = seg_fold(y, wa, wb, o[dn][2 * h2 + 1] * inv);
+        }
+        *reinterpret_cast<uint32_t*>(dst + dn * 8) = pack_bf16(__fmul_rn(x, dinv), __fmul_rn(y, dinv));
+      }
+    } else if (direct) {
       bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
 #pragma unroll
       for (int dn = 0; dn < kD / 8; ++dn)
-        *reinterpret_cast<uint32_t*>(dst + dn * 8) = pack_bf16(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
+        *reinterpret_cast<uint32_t*>(dst + dn * 8) =
+            SEG ? pack_bf16(seg_one(o[dn][2 * h2] * inv), seg_one(o[dn][2 * h2 + 1] * inv))
+                : pack_bf16(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
     } else {
       const int64_t idx = ((int64_t)split * a.num_tokens + t) * a.num_heads + h;
       float* dst = a.ws_o + idx * kD + 2 * c;
@@ -600,6 +659,49 @@ __global__ void __launch_bounds__(256) merge_splits_kernel(AttnArgs a) {
   *reinterpret_cast<uint2*>(a.out + row * kD + d) = packed;
 }
 
+// The merge of a chunk-invariant split launch (a split per segment): one warp per query row, 4 dims per
+// lane, the segments folded in order with seg_weights / seg_fold, as an unsplit block folds them.
+__global__ void __launch_bounds__(256) merge_segments_kernel(AttnArgs a) {
+  const AttnWork w = a.work[blockIdx.x];
+  const int kvh = blockIdx.y, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int group = a.num_heads / a.kv.num_kv_heads, r = blockIdx.z * 8 + warp;
+  if (r >= w.num_tok * group) return;
+  const int kv_end = a.positions[w.tok_start + w.num_tok - 1] + 1;
+  const int used = (kv_end + a.segment - 1) / a.segment;  // as the attention kernel counts them
+  if (used <= 1) return;                                  // written directly
+  const int64_t row = (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group;
+  const int64_t split_stride = (int64_t)a.num_tokens * a.num_heads;
+  const int d = lane * 4;
+  float M = kNegInf, Dn = 0.f, A[4] = {0.f, 0.f, 0.f, 0.f};
+  constexpr int kU = 8;  // segments per round: their loads in flight together, folded in order after
+  for (int sp0 = 0; sp0 < used; sp0 += kU) {
+    float lse[kU];
+    float4 v[kU];
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      const int sp = sp0 + u;
+      lse[u] = sp < used ? __ldcg(a.ws_lse + sp * split_stride + row) : kNegInf;
+      v[u] = lse[u] != kNegInf ? __ldcg(reinterpret_cast<const float4*>(a.ws_o + (sp * split_stride + row) * kD + d))
+                               : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+#pragma unroll
+    for (int u = 0; u < kU; ++u) {
+      if (lse[u] == kNegInf) continue;  // a segment past the row's position
+      float wa, wb;
+      seg_weights(M, Dn, lse[u], wa, wb);
+      A[0] = seg_fold(A[0], wa, wb, v[u].x);
+      A[1] = seg_fold(A[1], wa, wb, v[u].y);
+      A[2] = seg_fold(A[2], wa, wb, v[u].z);
+      A[3] = seg_fold(A[3], wa, wb, v[u].w);
+    }
+  }
+  const float dinv = 1.f / Dn;
+  uint2 packed;
+  packed.x = pack_bf16(__fmul_rn(A[0], dinv), __fmul_rn(A[1], dinv));
+  packed.y = pack_bf16(__fmul_rn(A[2], dinv), __fmul_rn(A[3], dinv));
+  *reinterpret_cast<uint2*>(a.out + row * kD + d) = packed;
+}
+
 cudaLaunchAttribute cluster_attr(int cluster) {
   cudaLaunchAttribute clu{};
   clu.id = cudaLaunchAttributeClusterDimension;
@@ -610,11 +712,11 @@ cudaLaunchAttribute cluster_attr(int cluster) {
 }
 
 // One attribute call per instantiation (graph capture safe afterwards: the first launch is eager).
-template <int NW, int KT, bool CLU, bool KW = false>
+template <int NW, int KT, bool CLU, bool KW = false, bool SEG = false>
 void configure() {
   static bool configured = false;
   if (configured) return;
-  auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
+  auto kernel = paged_attention_kernel<NW, KT, CLU, KW, SEG>;
   OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT, CLU, KW>()));
   if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   configured = true;
@@ -641,7 +743,7 @@ int max_cluster() {
     cfg.attrs = &clu;
     cfg.numAttrs = 1;
     int n = 0;
-    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, paged_attention_kernel<NW, 16, true, KW>, &cfg);
+    const cudaError_t e = cudaOccupancyMaxActiveClusters(&n, paged_attention_kernel<NW, 16, true, KW, false>, &cfg);
     if (e == cudaSuccess && n >= 1) break;
     cudaGetLastError();  // an unsupported size: try the next smaller one
   }
@@ -649,12 +751,12 @@ int max_cluster() {
   return c;
 }
 
-template <int NW, int KT, bool CLU, bool KW = false>
+template <int NW, int KT, bool CLU, bool KW = false, bool SEG = false>
 void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
   static_assert(!CLU || smem_main_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 2) : 16 * NW * (kD + 1)) * 4,
                 "cluster merge buffer");
-  auto kernel = paged_attention_kernel<NW, KT, CLU, KW>;
-  configure<NW, KT, CLU, KW>();
+  auto kernel = paged_attention_kernel<NW, KT, CLU, KW, SEG>;
+  configure<NW, KT, CLU, KW, SEG>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
   OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT, CLU, KW>(), s, CLU ? &clu : nullptr,
                               a, scale_log2));
@@ -717,6 +819,15 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   return p;
 }
 
+int attn_segment_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
+  const int segments = (max_context + kAttnSegment - 1) / kAttnSegment;
+  // as attn_num_splits: split only a grid of fewer than two blocks per SM
+  if (segments <= 1 || std::max(1, num_work * num_kv_heads) * 2 > 4 * num_sms || segments > kAttnMaxSplits ||
+      (int64_t)num_tokens * segments > max_split_rows)
+    return 1;
+  return segments;
+}
+
 void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.kv.head_dim == kD, "paged_attention: head_dim " << a.kv.head_dim << " is not supported (only 128)");
   OI_CHECK(a.kv.block_size == 16, "paged_attention: block_size must be 16 (a tile is whole pages)");
@@ -730,9 +841,20 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
                             a.k_norm_w && a.cos_sin && a.slots &&
                             a.q_stride == (a.num_heads + 2 * a.kv.num_kv_heads) * kD),
            "paged_attention: fuse_rope is for decode items of one token (max_rows == group <= 16) with its tables");
+  OI_CHECK(a.segment == 0 || (a.segment % 64 == 0 && !a.fuse_rope), "paged_attention: segment " << a.segment
+           << " must be a multiple of 64 keys, without fuse_rope");
   if (a.num_work == 0) return;
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   const dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
+  if (a.segment > 0) {  // chunk-invariant: 64-key tiles whatever the rows; num_splits 1 or >= every item's segments
+    if (a.max_rows <= 16) launch<1, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    else if (a.max_rows <= 32) launch<2, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    else launch<4, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    if (a.num_splits > 1)
+      OI_CUDA_CHECK(launch_kernel(false, merge_segments_kernel, dim3(a.num_work, a.kv.num_kv_heads, (a.max_rows + 7) / 8),
+                                  dim3(256), 0, s, nullptr, a));
+    return;
+  }
   // Decode rows (one token x group heads) fit one warp: small blocks, small tiles, many per SM (16-key
   // tiles: 4B at 64 x 1k context 6.49 ms per step against 7.16 ms with 32-key tiles, five blocks per SM).
   // Decode splits merge in clusters of the largest power of two (<= 16) that divides the split count

@@ -52,12 +52,19 @@ struct AttnArgs {
   const int32_t* slots;             // [T]; < 0: no cache write
   float eps;
   AttnVariant variant;
+  // > 0: chunk-invariant keys (steps with prompt tokens): each row's keys are taken in fixed segments of this
+  // many keys from position 0, every segment from a fresh softmax state, folded in segment order with pinned
+  // arithmetic; num_splits is 1 (the block folds as it goes) or attn_segment_splits' count (a split per
+  // segment, folded by the merge kernel). A row's result then depends on its position and keys only: not on
+  // the item it shares, the split count, the rows per block or the other sequences of the step.
+  int segment = 0;
 };
 
 constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16
 constexpr int kAttnChunkAlign = 64;       // split boundaries fall on multiples of this many keys (128 measured slower)
 constexpr int kAttnMaxSplits = 64;        // merge weights of a block's rows fit its shared memory
 constexpr int kAttnMaxCluster = 16;       // decode splits merged through distributed shared memory
+constexpr int kAttnSegment = 1024;        // AttnArgs::segment of chunk-invariant steps (64k keys in 64 splits)
 
 // Tokens per work item for a group size (rows per block / group).
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }
@@ -66,6 +73,10 @@ inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBloc
 // `max_rows` as in AttnArgs (decode rows may take key-warp splits of 16 keys).
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
                     int max_rows, AttnVariant v = {});
+
+// The split count of a chunk-invariant launch: one split per segment where the grid is small and the
+// workspace holds a partial per segment for every token, else 1 (the results are the same either way).
+int attn_segment_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows);
 
 void paged_attention(const AttnArgs& a, cudaStream_t s);
 

@@ -5,20 +5,22 @@
 namespace oi {
 
 void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
-            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s) {
+            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s,
+            GemmPath path) {
   GemvArgs g{x, norm_w, eps, W, y, M, N, K, kernel};
-  if (gemv(g, in, out, num_sms, s)) return;
+  if (path != GemmPath::kInvariant && gemv(g, in, out, num_sms, s)) return;
+  const bool fixed = path == GemmPath::kInvariant || (path == GemmPath::kInvariantSmall && M <= 64);
   const bf16* src = x;
   if (in == GemvIn::kRmsNorm) {
     rmsnorm(x, norm_w, scratch, M, K, eps, s);
     src = scratch;
   }
   if (out == GemvOut::kSiluMul) {
-    gemm.run(src, W, gu, M, N, K, false, false, s);
+    gemm.run(src, W, gu, M, N, K, false, false, s, fixed);
     silu_mul(gu, static_cast<bf16*>(y), M, N / 2, s);
     return;
   }
-  gemm.run(src, W, y, M, N, K, out == GemvOut::kAccumulate, out == GemvOut::kF32, s);
+  gemm.run(src, W, y, M, N, K, out == GemvOut::kAccumulate, out == GemvOut::kF32, s, fixed);
 }
 
 AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, const KvLayout& kv, const float2* rope) {
@@ -42,12 +44,12 @@ AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, con
 // the drafter's block, which is not causal).
 void decoder_layer(const ModelDims& d, const LayerWeights& lw, int l, const Activations& a, AttnArgs& at, int T,
                    const int32_t* rope_pos, const int32_t* slots, bool fuse_rope, Gemm& gemm, int num_sms,
-                   GemvKernel gk, cudaStream_t s) {
+                   GemvKernel gk, cudaStream_t s, GemmPath path) {
   using In = GemvIn;
   using Out = GemvOut;
   const int H = d.hidden, I = d.intermediate;
   linear(In::kRmsNorm, Out::kStore, a.x, lw.input_norm, d.eps, lw.qkv, a.qkv, T, d.qkv_rows(), H, a.h, nullptr, gemm,
-         num_sms, gk, s);
+         num_sms, gk, s, path);
   if (!fuse_rope)
     qk_norm_rope_kv_write(a.qkv, lw.q_norm, lw.k_norm, rope_pos, slots, at.cos_sin, at.kv_cache, l, at.kv, T, d.heads,
                           d.eps, s);
@@ -58,11 +60,11 @@ void decoder_layer(const ModelDims& d, const LayerWeights& lw, int l, const Acti
   paged_attention(at, s);
   // x += attn · Woᵀ, then x += (SiLU(gate)·up) · Wdownᵀ: the residual adds ride in the GEMM epilogues
   linear(In::kPlain, Out::kAccumulate, a.attn, nullptr, d.eps, lw.o, a.x, T, H, d.heads * d.head_dim, nullptr, nullptr,
-         gemm, num_sms, gk, s);
+         gemm, num_sms, gk, s, path);
   linear(In::kRmsNorm, Out::kSiluMul, a.x, lw.post_norm, d.eps, lw.gate_up, a.act, T, 2 * I, H, a.h, a.gu, gemm,
-         num_sms, gk, s);
+         num_sms, gk, s, path);
   linear(In::kPlain, Out::kAccumulate, a.act, nullptr, d.eps, lw.down, a.x, T, H, I, nullptr, nullptr, gemm, num_sms,
-         gk, s);
+         gk, s, path);
 }
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, const StepMeta& m,
@@ -84,6 +86,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   at.max_rows = m.max_rows;
   at.slots = m.slots;
   at.variant = m.attention;
+  at.segment = m.attn_segment;
   // Batch-1 decode: every layer in one persistent kernel (kernels/persistent.cuh).
   const bool persistent = m.persistent;
   OI_CHECK(!persistent || (T == 1 && m.fuse_rope && w.dev_layers && !m.tap_slot && !m.ctx_slot), "qwen3_forward: persistent step misplanned");
@@ -110,7 +113,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   }
   for (int l = 0; l < (persistent ? 0 : d.layers); ++l) {
     if (m.layer_ready && m.layer_ready[l]) OI_CUDA_CHECK(cudaStreamWaitEvent(s, m.layer_ready[l], 0));
-    decoder_layer(d, w.layers[l], l, a, at, T, m.positions, m.slots, m.fuse_rope, gemm, num_sms, m.gemv, s);
+    decoder_layer(d, w.layers[l], l, a, at, T, m.positions, m.slots, m.fuse_rope, gemm, num_sms, m.gemv, s, m.gemm_path);
     if (m.tap_slot && m.tap_slot[l] >= 0)  // x is now the residual stream after layer l (HF hidden_states[l + 1])
       gather_rows(a.x, m.tap_rows, m.out_taps + (int64_t)m.tap_slot[l] * H, m.num_tap_rows, H, s, (int64_t)m.num_taps * H);
     if (m.ctx_slot && m.ctx_slot[l] >= 0)  // the drafter's context features: every row
@@ -120,7 +123,7 @@ void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& a, c
   gather_rows(a.x, m.sample_idx, a.xs, m.S, H, s);
   if (m.S > 0)
     linear(In::kRmsNorm, Out::kF32, a.xs, w.final_norm, d.eps, w.lm_head, a.logits, m.S, d.vocab, H, a.hs, nullptr,
-           gemm, num_sms, m.gemv, s);
+           gemm, num_sms, m.gemv, s, m.gemm_path);
   SampleArgs sa{};
   sa.logits = a.logits;
   sa.num_rows = m.S;

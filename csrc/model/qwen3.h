@@ -47,6 +47,11 @@ struct KernelChoice {
   GemvKernel gemv = GemvKernel::kAuto;
 };
 
+// The GEMM a linear layer takes: cuBLASLt beyond the GEMV's rows; the batch-invariant one (fixed_gemm.h) at
+// every M and never the GEMV (EngineConfig.deterministic); or the batch-invariant one from 3 to 64 rows
+// (EngineConfig.fixed_gemm_small, an experiment for bench A/B against cuBLASLt at small M).
+enum class GemmPath : uint8_t { kLibrary, kInvariant, kInvariantSmall };
+
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).
 struct StepMeta {
   int T, B, S, bt_stride, num_work, max_rows, num_splits;
@@ -60,6 +65,8 @@ struct StepMeta {
   bool persistent;  // batch-1 decode bucket: every layer in persistent_layers() (the caller checked the fit)
   AttnVariant attention;
   GemvKernel gemv;
+  GemmPath gemm_path;  // the GEMM beyond the GEMV's rows (EngineConfig.deterministic: fixed_gemm always)
+  int attn_segment;   // AttnArgs::segment (EngineConfig.deterministic), 0 otherwise
   int32_t *out_tokens, *out_top_ids;
   float *out_logprobs, *out_top_logprobs;
   // Verify steps: [B + 1] first sampled row of each sequence (device) and accepted counts [B]; else null.
@@ -86,7 +93,8 @@ struct StepMeta {
 // One linear layer: the fused small-batch kernel when the rows fit it, else the separate element-wise
 // kernels (through `scratch`) around cuBLASLt. kSiluMul writes SiLU(gate)·up ([M, N/2]) to y.
 void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps, const bf16* W, void* y, int M, int N,
-            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s);
+            int K, bf16* scratch, bf16* gu, Gemm& gemm, int num_sms, GemvKernel kernel, cudaStream_t s,
+            GemmPath path = GemmPath::kLibrary);
 
 // The attention arguments every step shares (buffers, geometry); the caller sets the step's own.
 AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, const KvLayout& kv, const float2* rope);
@@ -94,7 +102,7 @@ AttnArgs attn_args(const ModelDims& d, const Activations& a, bf16* kv_cache, con
 // One decoder layer over T rows, x updated in place (qwen3.cu).
 void decoder_layer(const ModelDims& d, const LayerWeights& lw, int l, const Activations& a, AttnArgs& at, int T,
                    const int32_t* rope_pos, const int32_t* slots, bool fuse_rope, Gemm& gemm, int num_sms,
-                   GemvKernel gk, cudaStream_t s);
+                   GemvKernel gk, cudaStream_t s, GemmPath path = GemmPath::kLibrary);
 
 void qwen3_forward(const ModelDims& d, const Weights& w, const Activations& act, const StepMeta& m,
                    const float2* rope, bf16* kv_cache, const KvLayout& kv, Gemm& gemm, int num_sms, cudaStream_t s);

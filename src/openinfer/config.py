@@ -257,6 +257,10 @@ class EngineConfig:
                                  "algorithms, and so the same output bits, on every start)")
     persistent_decode: bool = option(True, "batch-1 decode runs every layer in one persistent kernel where the "
                                      "model fits it (Qwen3 0.6B-8B)")
+    deterministic: bool = option(False, "every row's result independent of the batch it is in: greedy and seeded "
+                                 "sampling give the same bits whatever the batch, chunking or prefix hits (slower)")
+    fixed_gemm_small: bool = option(False, "linear layers of 3 to 64 rows through the batch-invariant GEMM instead of "
+                                    "cuBLASLt (an experiment, for benchmark A/B)", hidden=True)
     overlap_steps: bool = option(True, "launch each step before the previous one's tokens reach the host, so "
                                  "scheduling and streaming run while the GPU works")
     model_files: ModelFiles = field(init=False, repr=False)
