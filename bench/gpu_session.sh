@@ -30,8 +30,7 @@
 # process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; ~10 min, a call of its own),
 # capsweep (QPS 32 and concurrency 64, 40 s each, a fresh server per point, at each --max-prefill-tokens-while-decoding
 # in CAPS, default 1024 2048 4096: issue #25 item 4), determinism (issue #26 item 2: the deterministic tests, 4B and 8B, then its cost: bench_engine 4B 1/8/64 and a
-# 1024-token prefill with deterministic off and on; determinism_cost.json), smallm (EngineConfig.fixed_gemm_small:
-# its test, then decode steps of 4B batch 4-64 and 8B batch 8/32 through cuBLASLt and through fixed_gemm, alternated).
+# 1024-token prefill with deterministic off and on; determinism_cost.json).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -130,16 +129,10 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     options) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
              --prefill-len 64 --options "$OPTIONS" --out "$OUT/options_ab.json" | grep -v prefill ;;
     determinism) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_deterministic.py tests/test_gpu_consistency.py \
-                   tests/test_gpu_kernels.py -k "deterministic or consistency or segmented or fixed_gemm" 2>&1 |
+                   tests/test_gpu_kernels.py tests/test_gpu_graphs.py -k "deterministic or consistency or segmented or fixed_gemm" 2>&1 |
                    tee "$OUT/determinism.log" | tail -8
                  python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 1024 \
                    --options "deterministic=false;deterministic=true" --out "$OUT/determinism_cost.json" | tail -9 ;;
-    smallm) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_gpu_graphs.py -k fixed_gemm_small 2>&1 | tail -3
-            python3 bench/bench_engine.py --preset qwen3-4b --batches 4,8,16,32,64 --prefill-len 16 \
-              --options "fixed_gemm_small=false;fixed_gemm_small=true;fixed_gemm_small=false;fixed_gemm_small=true" \
-              --out "$OUT/smallm_4b.json" | grep -v prefill
-            python3 bench/bench_engine.py --preset qwen3-8b --batches 8,32 --prefill-len 16 \
-              --options "fixed_gemm_small=false;fixed_gemm_small=true" --out "$OUT/smallm_8b.json" | grep -v prefill ;;
     spec) D4=$(need_drafter dspark-qwen3-4b),$(need_drafter dflash-qwen3-4b)
           python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --draft-model-path "$D4" ${SPEC_ARGS:-} \
             --out "$OUT/spec_rounds_4b.json" 2>>"$OUT/spec.log" | sed -n '/^round costs/,$p'

@@ -27,13 +27,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1, help="steps between profiler start and stop")
     ap.add_argument("--trace", default=None, help="write the steps' kernels as a Chrome trace (needs torch: "
                     "its profiler reads CUPTI, graph nodes included; a benchmark-only dependency)")
+    ap.add_argument("--options", default="", help="EngineConfig settings, as 'name=value,...' (bench_engine's syntax)")
     a = ap.parse_args()
     import openinfer
+    from bench_engine import option_settings
     from openinfer import _engine
 
     eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random",
                            max_model_len=a.ctx + 64 + a.chunk * (a.steps + 3), max_num_seqs=max(8, a.batch),
-                           cuda_graph=a.graph)
+                           cuda_graph=a.graph, **option_settings(a.options)[0][1])
     r = Runner(eng.llm_engine.backend, 151936)
     seqs = [r.alloc(a.ctx + 8 + a.chunk * (a.steps + 3)) for _ in range(a.batch)]
     for s in seqs:  # the prompt in chunks of at most one step's token budget

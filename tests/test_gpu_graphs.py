@@ -384,24 +384,24 @@ def test_fed_steps_equal_host_fed_steps(engine):
     assert not np.array_equal(backend.step(StepInput(*mixed)).logprobs, ref[1].logprobs)
 
 
-def test_fixed_gemm_small_steps_match_cublaslt(engine, tmp_path):
-    """EngineConfig.fixed_gemm_small (3 to 64 rows through the batch-invariant GEMM, an experiment timed
-    against cuBLASLt): the same weights give the same decode step within bf16 rounding at batches 3, 8 and
-    64, and its graph replay equals its eager launch bit for bit."""
+def test_deterministic_steps_match_the_default_and_replay_bit_for_bit(engine, tmp_path):
+    """EngineConfig.deterministic (the batch-invariant GEMM at every M, segmented attention): the same weights
+    give the same decode step as the default kernels within bf16 rounding at batches 3, 8 and 64, and its
+    graph replay equals its eager launch bit for bit."""
     import openinfer
 
     d = _config_dir(tmp_path, "qwen3-4b")
-    small = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=8192, max_num_seqs=64,
-                             num_kv_blocks=4096, fixed_gemm_small=True)
+    det = openinfer.Engine(str(d), device="cuda", load_format="random", max_model_len=8192, max_num_seqs=64,
+                           num_kv_blocks=4096, deterministic=True)
     try:
         for B in (3, 8, 64):
             outs = []
-            for eng in (engine, small):
+            for eng in (engine, det):
                 backend = eng.llm_engine.backend
                 args, _ = _decode_batch(backend, B, np.random.default_rng(300 + B), 1)
                 args = (*args[:7], np.zeros(B, np.float32), *args[8:])  # greedy rows
                 outs.append(backend.step(StepInput(*args, return_logits=True)))
-                if eng is small:
+                if eng is det:
                     before = backend.eng.graph_steps
                     g = backend.step(StepInput(*args))
                     assert backend.eng.graph_steps == before + 1
@@ -412,4 +412,4 @@ def test_fixed_gemm_small_steps_match_cublaslt(engine, tmp_path):
             # by more than 1.5x that is a wrong kernel, not rounding
             assert rel_err(outs[1].logits, outs[0].logits) < 3e-2, B
     finally:
-        small.close()
+        det.close()

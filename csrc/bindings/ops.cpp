@@ -106,10 +106,7 @@ void bind_ops(py::module_& m) {
       if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemm: y_init has the wrong size");
       OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
     }
-    if (fixed && config >= 0)
-      fixed_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, config);
-    else
-      ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, fixed);
+    ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, fixed, config);
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     if (out_f32) return py::array(dy.get<float>({M, N}));
     return py::array(dy.get<uint16_t>({M, N}));

@@ -175,9 +175,7 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   m.num_logprobs = in.num_logprobs;
   m.attention = eager_kernels_.attention;
   m.gemv = eager_kernels_.gemv;
-  m.gemm_path = opt_.deterministic        ? GemmPath::kInvariant
-                : opt_.fixed_gemm_small ? GemmPath::kInvariantSmall
-                                        : GemmPath::kLibrary;
+  m.gemm_path = opt_.deterministic ? GemmPath::kInvariant : GemmPath::kLibrary;
   m.attn_segment = plan.segment;
   m.ids = (const int32_t*)put(in.input_ids, T * 4);
   m.positions = (const int32_t*)put(in.positions, T * 4);

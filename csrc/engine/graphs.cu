@@ -37,7 +37,7 @@ StepMeta Engine::graph_meta(int batch, const KernelChoice& k) const {
   m.num_logprobs = 0;
   m.fuse_rope = k.fuse_rope && group <= 16;
   m.persistent = batch == 1 && m.fuse_rope && k.persistent && w_.dev_layers;
-  m.gemm_path = opt_.fixed_gemm_small ? GemmPath::kInvariantSmall : GemmPath::kLibrary;
+  m.gemm_path = GemmPath::kLibrary;
   if (opt_.deterministic) {  // the eager steps' kernels: each row's bits do not depend on the batch
     m.num_splits = attn_segment_splits(batch, d_.kv_heads, graph_splits_max_ctx_, batch, num_sms_, max_split_rows_);
     m.attn_segment = kAttnSegment;

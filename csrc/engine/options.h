@@ -20,8 +20,7 @@ namespace oi {
   X(bool, pdl)                        \
   X(bool, gemm_autotune)              \
   X(bool, persistent_decode)          \
-  X(bool, deterministic)              \
-  X(bool, fixed_gemm_small)
+  X(bool, deterministic)
 
 struct EngineOptions {
 #define OI_DECLARE_OPTION(type, name) type name{};

@@ -1,15 +1,18 @@
-// The batch-invariant GEMM of --deterministic (fixed_gemm.cu): Y[M, N] = X[M, K] · W[N, K]^T (+ Y), whose
-// rows do not depend on M. accumulate: Y += X·Wᵀ; out_f32: Y is fp32 (logits).
+// The batch-invariant GEMM (fixed_gemm.cu): Y[M, N] = X[M, K] · W[N, K]^T (+ Y), whose rows do not depend on
+// M. accumulate: Y += X·Wᵀ; out_f32: Y is fp32 (logits). It also serves the few-row GEMMs of ordinary decode,
+// where it streams the weights faster than cuBLASLt.
 #pragma once
 #include "../common.h"
 
 namespace oi {
 
-// config: the tile family (-1: chosen from M and N); tests run every family on the same rows to show
-// that the choice never changes a bit.
+// config: the kernel family (-1: chosen from M and N; 0-1 the few-row kernel with 8 or 16 rows per warp,
+// 2-3 the tiled kernel at 64 x 64 and 128 x 128); tests run every family on the same rows to show that the
+// choice never changes a bit.
 void fixed_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
                 cudaStream_t s, int config = -1);
-int fixed_gemm_config(int M, int N);
 constexpr int kFixedGemmConfigs = 4;
+// The most rows the few-row kernel takes when the family is chosen from M (beyond it the tiled kernel).
+constexpr int kFixedGemmFewRows = 64;
 
 }  // namespace oi

@@ -22,8 +22,9 @@ class Gemm {
 
   // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
   // fixed: the batch-invariant kernel (fixed_gemm.h) instead, whose rows do not depend on M (--deterministic).
+  // config: fixed_gemm's kernel family (-1: by M and N; tests force each).
   void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s,
-           bool fixed = false);
+           bool fixed = false, int config = -1);
   // While on, a new shape with M <= 512 times the heuristic's candidates on the buffers it is given and
   // keeps the fastest (the data is overwritten: only for warm-up passes over dummy inputs).
   void set_autotune(bool on) { autotune_ = on; }

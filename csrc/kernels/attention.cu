@@ -822,7 +822,7 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
 int attn_segment_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows) {
   const int segments = (max_context + kAttnSegment - 1) / kAttnSegment;
   // as attn_num_splits: split only a grid of fewer than two blocks per SM
-  if (segments <= 1 || std::max(1, num_work * num_kv_heads) * 2 > 4 * num_sms || segments > kAttnMaxSplits ||
+  if (segments <= 1 || std::max(1, num_work * num_kv_heads) * 2 > 4 * num_sms || segments > kAttnMaxSegments ||
       (int64_t)num_tokens * segments > max_split_rows)
     return 1;
   return segments;
@@ -834,8 +834,9 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.num_heads % a.kv.num_kv_heads == 0, "paged_attention: query heads not a multiple of KV heads");
   OI_CHECK(a.max_rows >= 1 && a.max_rows <= kAttnMaxRowsPerBlock,
            "paged_attention: " << a.max_rows << " rows per work item (max " << kAttnMaxRowsPerBlock << ")");
-  OI_CHECK(a.num_splits >= 1 && a.num_splits <= kAttnMaxSplits,
-           "paged_attention: num_splits " << a.num_splits << " (1.." << kAttnMaxSplits << ")");
+  const int max_splits = a.segment > 0 ? kAttnMaxSegments : kAttnMaxSplits;
+  OI_CHECK(a.num_splits >= 1 && a.num_splits <= max_splits,
+           "paged_attention: num_splits " << a.num_splits << " (1.." << max_splits << ")");
   OI_CHECK(a.num_splits == 1 || a.counters != nullptr, "paged_attention: splits need the counters");
   OI_CHECK(!a.fuse_rope || (a.max_rows == a.num_heads / a.kv.num_kv_heads && a.max_rows <= 16 && a.q_norm_w &&
                             a.k_norm_w && a.cos_sin && a.slots &&

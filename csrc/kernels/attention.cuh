@@ -64,7 +64,10 @@ constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) p
 constexpr int kAttnChunkAlign = 64;       // split boundaries fall on multiples of this many keys (128 measured slower)
 constexpr int kAttnMaxSplits = 64;        // merge weights of a block's rows fit its shared memory
 constexpr int kAttnMaxCluster = 16;       // decode splits merged through distributed shared memory
-constexpr int kAttnSegment = 1024;        // AttnArgs::segment of chunk-invariant steps (64k keys in 64 splits)
+// AttnArgs::segment of chunk-invariant steps: short enough that a decode row splits over many blocks (at
+// 1,024 keys a 4B batch-1 step spent 56 us per layer in attention), at most kAttnMaxSegments splits (64k keys).
+constexpr int kAttnSegment = 256;
+constexpr int kAttnMaxSegments = 256;     // a segmented launch's splits (its merge kernel keeps no per-split state)
 
 // Tokens per work item for a group size (rows per block / group).
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }

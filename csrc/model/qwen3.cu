@@ -9,7 +9,7 @@ void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps
             GemmPath path) {
   GemvArgs g{x, norm_w, eps, W, y, M, N, K, kernel};
   if (path != GemmPath::kInvariant && gemv(g, in, out, num_sms, s)) return;
-  const bool fixed = path == GemmPath::kInvariant || (path == GemmPath::kInvariantSmall && M <= 64);
+  const bool fixed = path == GemmPath::kInvariant;
   const bf16* src = x;
   if (in == GemvIn::kRmsNorm) {
     rmsnorm(x, norm_w, scratch, M, K, eps, s);

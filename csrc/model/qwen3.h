@@ -47,10 +47,10 @@ struct KernelChoice {
   GemvKernel gemv = GemvKernel::kAuto;
 };
 
-// The GEMM a linear layer takes: cuBLASLt beyond the GEMV's rows; the batch-invariant one (fixed_gemm.h) at
-// every M and never the GEMV (EngineConfig.deterministic); or the batch-invariant one from 3 to 64 rows
-// (EngineConfig.fixed_gemm_small, an experiment for bench A/B against cuBLASLt at small M).
-enum class GemmPath : uint8_t { kLibrary, kInvariant, kInvariantSmall };
+// The GEMM a linear layer takes: cuBLASLt beyond the GEMV's rows, or the batch-invariant one (fixed_gemm.h)
+// at every M and never the GEMV (EngineConfig.deterministic). (Its few-row kernel in place of cuBLASLt at
+// 3-64 rows measured slower: docs/benchmarks.md.)
+enum class GemmPath : uint8_t { kLibrary, kInvariant };
 
 // Device pointers to one step's metadata (see docs/architecture.md for their meaning).
 struct StepMeta {

@@ -259,8 +259,6 @@ class EngineConfig:
                                      "model fits it (Qwen3 0.6B-8B)")
     deterministic: bool = option(False, "every row's result independent of the batch it is in: greedy and seeded "
                                  "sampling give the same bits whatever the batch, chunking or prefix hits (slower)")
-    fixed_gemm_small: bool = option(False, "linear layers of 3 to 64 rows through the batch-invariant GEMM instead of "
-                                    "cuBLASLt (an experiment, for benchmark A/B)", hidden=True)
     overlap_steps: bool = option(True, "launch each step before the previous one's tokens reach the host, so "
                                  "scheduling and streaming run while the GPU works")
     model_files: ModelFiles = field(init=False, repr=False)
