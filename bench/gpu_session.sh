@@ -129,7 +129,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     options) python3 bench/bench_engine.py --preset ${PRESETS:-qwen3-4b,qwen3-8b} --batches ${BATCHES:-1,8} \
              --prefill-len 64 --options "$OPTIONS" --out "$OUT/options_ab.json" | grep -v prefill ;;
     determinism) python3 -m pytest -q -rfE -p no:cacheprovider tests/test_deterministic.py tests/test_gpu_consistency.py \
-                   tests/test_gpu_kernels.py tests/test_gpu_graphs.py -k "deterministic or consistency or segmented or fixed_gemm" 2>&1 |
+                   tests/test_gpu_kernels.py tests/test_gpu_graphs.py tests/test_gpu_drafter.py \
+                   -k "deterministic or consistency or segmented or fixed_gemm" 2>&1 |
                    tee "$OUT/determinism.log" | tail -8
                  python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 1024 \
                    --options "deterministic=false;deterministic=true" --out "$OUT/determinism_cost.json" | tail -9 ;;

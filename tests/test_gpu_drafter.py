@@ -169,6 +169,28 @@ def test_speculative_greedy_equals_plain_greedy(cuda_engine, tiny_dir, batch):
         plain.close()
 
 
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_deterministic_speculation_equals_plain_bit_for_bit(tiny_dir, drafter_dir, batch):
+    """Under --deterministic a verify step's rows are the plain decode's rows bit for bit, so speculative
+    greedy output equals plain greedy output token for token with no near-tie excepted (issue #24's
+    lossless check under the mode, #26 item 2's speculative verify)."""
+    import openinfer
+    rng = np.random.default_rng(100 + batch)
+    prompts = [list(map(int, rng.integers(0, 151643, int(rng.integers(3, 90))))) for _ in range(max(batch, 17))]
+    kw = dict(device="cuda", max_model_len=2048, num_kv_blocks=512, gemm_autotune=False, max_num_seqs=batch,
+              deterministic=True)
+    plain = openinfer.Engine(str(tiny_dir), **kw)
+    spec = openinfer.Engine(str(tiny_dir), draft_model_path=str(drafter_dir), **kw)
+    try:
+        want = _generate(plain, prompts, 40)
+        assert _generate(spec, prompts, 40) == want
+        assert spec.llm_engine.stats()["spec_rounds"] > 0
+        spec.llm_engine.scheduler.check_integrity()
+    finally:
+        plain.close()
+        spec.close()
+
+
 def test_speculation_leaves_no_blocks_behind(cuda_engine):
     eng = cuda_engine.llm_engine
     assert not eng.has_unfinished()
