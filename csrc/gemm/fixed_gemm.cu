@@ -1,15 +1,15 @@
-// The batch-invariant GEMM: Y[M, N] = X[M, K] · W[N, K]^T (+ Y), bf16 in, fp32 accumulate, whose rows do not
-// depend on M (--deterministic), and the few-row GEMM of ordinary decode.
+// The batch-invariant GEMM of --deterministic: Y[M, N] = X[M, K] · W[N, K]^T (+ Y), bf16 in, fp32 accumulate,
+// whose rows do not depend on M.
 //
 // One summation order, shared by both kernels below, fixes every output bit:
-//  - K is cut into chunks whose length depends on N, K and the GPU only, never on M (chunk_of);
+//  - K is cut into at most 8 chunks whose length depends on K alone (chunk_of);
 //  - within a chunk, 32-element segments in ascending order, each as two m16n8k16 MMAs with the weights as
 //    the A operand (16 weight rows) and the input rows as B's 8 columns. The MMA's K index is permuted:
 //    lane (g, t) holds row g's elements 8t..8t+7 of the segment (one 16-byte load), the first MMA takes
 //    8t+{0,1} as k = 2t+{0,1} and 8t+{2,3} as k = 2t+8+{0,1}, the second 8t+{4..7} the same way;
 //  - the chunks' sums are added in chunk order (the first taken as it is), then the residual, then rounding.
 // The few-row kernel gives each chunk to a different warp of a block and adds their sums in that order; the
-// tiled kernel walks the chunks of its tile in one CTA and folds them in registers. Which
+// tiled kernel walks the chunks of its tile in one CTA and folds them into a running total. Which
 // kernel, how many rows per warp, tile sizes and grid sizes change with M; none changes the order.
 // (cuBLASLt picks other kernels at other M, whose sums differ in their last bits.)
 #include <algorithm>

@@ -1,6 +1,5 @@
 // The batch-invariant GEMM (fixed_gemm.cu): Y[M, N] = X[M, K] · W[N, K]^T (+ Y), whose rows do not depend on
-// M. accumulate: Y += X·Wᵀ; out_f32: Y is fp32 (logits). It also serves the few-row GEMMs of ordinary decode,
-// where it streams the weights faster than cuBLASLt.
+// M (--deterministic). accumulate: Y += X·Wᵀ; out_f32: Y is fp32 (logits).
 #pragma once
 #include "../common.h"
 
