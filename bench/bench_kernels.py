@@ -7,6 +7,7 @@ The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOP
   python bench/bench_kernels.py --chain 4b,8b --rows 1,2 --pdl 1,0 --variants 'kernel=0;kernel=1'
   python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64 \
       --variants 'key_warps=0;key_warps=1'
+  python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64,256 --configs=-2,-1,0,1,2,3
 """
 from __future__ import annotations
 
@@ -68,6 +69,23 @@ def chain(a, bench) -> list:
     return rows
 
 
+def gemm_chain(a, bench) -> list:
+    """A decode step's GEMMs (the four projections x all layers, one graph) per model, row count and GEMM:
+    cuBLASLt (-2) against the batch-invariant kernel's families (-1: as its launcher picks)."""
+    rows = []
+    print(f"{'model':6} {'M':>4} {'config':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
+    for model in a.gemm_chain.split(","):
+        shapes, layers = CHAINS[model]
+        nk = [(n, k) for n, k, _, _ in shapes]
+        floor = sum(n * k * 2 for n, k in nk) * layers / BW * 1e6
+        for M in (int(m) for m in a.rows.split(",")):
+            for config in (int(c) for c in a.configs.split(",")):
+                us = bench.gemm_chain(M, nk, layers, a.reps, config)
+                rows.append({"model": model, "M": M, "config": config, "floor_us": floor, "graph_us": us})
+                print(f"{model:6} {M:4d} {config:6d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}%", flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default=None, help="row counts (default 1,2,4,8; --chain: 1,2, the fused GEMV's)")
@@ -76,6 +94,9 @@ def main() -> None:
     ap.add_argument("--chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
                     "time the GEMV chain instead")
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
+    ap.add_argument("--gemm-chain", default=None, help="models (4b,8b,32b): time a step's GEMMs in a graph, cuBLASLt "
+                    "against the batch-invariant GEMM's families (--configs)")
+    ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
     ap.add_argument("--variants", default="", help="--attention (key_warps, cluster_cap), --chain (kernel: 0 auto, 1 CUDA "
@@ -84,6 +105,12 @@ def main() -> None:
     a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")
     from openinfer import _bench
 
+    if a.gemm_chain:
+        rows = gemm_chain(a, _bench)
+        if a.out:
+            json.dump({"command": f"python bench/bench_kernels.py --gemm-chain {a.gemm_chain} --rows {a.rows} "
+                       f"--configs={a.configs}", "rows": rows}, open(a.out, "w"), indent=1)
+        return
     if a.chain or a.attention:
         rows = chain(a, _bench) if a.chain else attention(a, _bench)
         if a.out:

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "../../csrc/gemm/fixed_gemm.h"
 #include "../../csrc/gemm/gemm.h"
 #include "../../csrc/kernels/attention.cuh"
 #include "../../csrc/kernels/elementwise.cuh"
@@ -112,6 +113,33 @@ PYBIND11_MODULE(_bench, m) {
     }, reps);
   }, py::arg("M"), py::arg("shapes"), py::arg("layers"), py::arg("reps"), py::arg("kernel") = 0,
      "expected: ~90% of weight bytes / 4.21 TB/s at M = 1 and 2 (4B chain 2.8 MB per layer)");
+  m.def("gemm_chain", [](int M, const std::vector<std::array<int, 2>>& shapes, int layers, int reps, int config) {
+    // Median graph-replay time (us) of `layers` repetitions of the GEMMs `shapes` ((N, K) each, every layer
+    // its own weights) at M rows: config -2 cuBLASLt, -1 fixed_gemm as the launcher picks, >= 0 that family.
+    OI_CHECK(M >= 1 && layers >= 1 && !shapes.empty(), "gemm_chain: need M >= 1, layers >= 1 and a shape");
+    OI_CHECK(config >= -2 && config < kFixedGemmConfigs, "gemm_chain: config " << config);
+    size_t per_layer = 0, max_k = 0, max_n = 0;
+    for (const auto& sh : shapes) {
+      per_layer += (size_t)sh[0] * sh[1];
+      max_n = std::max<size_t>(max_n, sh[0]);
+      max_k = std::max<size_t>(max_k, sh[1]);
+    }
+    Dev w(per_layer * layers * 2), x((size_t)M * max_k * 2), y((size_t)M * max_n * 2);
+    fill_normal(w.as<bf16>(), (int64_t)(per_layer * layers), 1, 0.f, 0.02f, 0);
+    fill_normal(x.as<bf16>(), (int64_t)(M * max_k), 2, 0.f, 1.f, 0);
+    OI_CUDA_CHECK(cudaMemset(y.p, 0, y.n));
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    Gemm& gm = ops_gemm();
+    return graph_median_us([&](cudaStream_t st) {
+      const bf16* W = w.as<bf16>();
+      for (int l = 0; l < layers; ++l)
+        for (const auto& sh : shapes) {
+          gm.run(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, config > -2, config);
+          W += (size_t)sh[0] * sh[1];
+        }
+    }, reps);
+  }, py::arg("M"), py::arg("shapes"), py::arg("layers"), py::arg("reps"), py::arg("config") = -2,
+     "one decode step's GEMMs in a graph (no RMSNorm, SiLU or attention): cuBLASLt or a fixed_gemm family");
   m.def("linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {
     // Median time (us) of one linear layer with a cold L2: the weights rotate over >= 256 MB of copies.
     const size_t wbytes = (size_t)N * K * 2;
