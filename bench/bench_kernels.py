@@ -75,7 +75,8 @@ def gemm_chain(a, bench) -> list:
     rows = []
     print(f"{'model':6} {'M':>4} {'config':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
     for model in a.gemm_chain.split(","):
-        shapes, layers = CHAINS[model]
+        # a SHAPES name: that projection alone, 36 times in a row
+        shapes, layers = CHAINS[model] if model in CHAINS else ([SHAPES[model]], 36)
         nk = [(n, k) for n, k, _, _ in shapes]
         floor = sum(n * k * 2 for n, k in nk) * layers / BW * 1e6
         for M in (int(m) for m in a.rows.split(",")):
@@ -94,8 +95,8 @@ def main() -> None:
     ap.add_argument("--chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
                     "time the GEMV chain instead")
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
-    ap.add_argument("--gemm-chain", default=None, help="models (4b,8b,32b): time a step's GEMMs in a graph, cuBLASLt "
-                    "against the batch-invariant GEMM's families (--configs)")
+    ap.add_argument("--gemm-chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
+                    "time a step's GEMMs in a graph, cuBLASLt against the batch-invariant GEMM's families (--configs)")
     ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")

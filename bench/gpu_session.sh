@@ -8,7 +8,7 @@
 # ncu (per-kernel times of one 4B batch-1 decode step), graphs (graph == eager, 32B random load),
 # model (whole model vs HF; writes the 0.6B and 4B checkpoints), server (OpenAI client suite on the
 # CUDA engine, 4B), bench (bench_engine 4B/8B/32B + the torch.compile peer in the same call, ~5 min),
-# kbench (bench_kernels), gemmchain (a step's GEMMs in one graph, cuBLASLt against each fixed_gemm family,
+# kbench (bench_kernels), gemmchain (a step's GEMMs, or one projection 36 times, in one graph: cuBLASLt against each fixed_gemm family,
 # GC_MODELS at GC_ROWS rows: where each family wins, for the launcher's choice), sweep (serving sweep, POINT_SECONDS, default 8), overlap (concurrency 1 and 64
 # with --overlap-steps true and false, side by side), ab (QPS 32 and concurrency 64, 40 s each, for the
 # tree in .alt/ (bench/alt_tree.sh) and this one, side by side), footprint, attn (decode attention key
@@ -96,8 +96,8 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
            [ -f .peers/torch_peer.py ] && timeout 300 python3 .peers/torch_peer.py 4b 1024 1,8,32,64 --compile |
              tee "$OUT/torch_peer.log" ;;
     kbench) python3 bench/bench_kernels.py --out "$OUT/kernels.json" ;;
-    gemmchain) python3 bench/bench_kernels.py --gemm-chain ${GC_MODELS:-4b,8b} --rows ${GC_ROWS:-1,8,16,32,64,256} \
-                 --configs=-2,-1,0,1,2,3 --out "$OUT/gemm_chain.json" ;;
+    gemmchain) python3 bench/bench_kernels.py --gemm-chain ${GC_MODELS:-4b.qkv,4b.o,4b.gate_up,4b.down,4b} \
+                 --rows ${GC_ROWS:-1,8,16,32,64,256} --configs=${GC_CONFIGS:--2,-1,0,1,2,3} --out "$OUT/gemm_chain.json" ;;
     sampling) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py -k sampl 2>&1 | tail -2
               for tree in alt this; do  # .alt/ from bench/alt_tree.sh REV, carried, when present
                 [ $tree = alt ] && { [ -d .alt/src ] || continue; }
