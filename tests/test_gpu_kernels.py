@@ -96,6 +96,8 @@ def test_fixed_gemm_rows_do_not_depend_on_m(model):
             for M in (3, 12, 80):
                 got = ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True, config=config)
                 np.testing.assert_array_equal(got, full[-M:], err_msg=f"N={N} K={K} M={M} config {config}")
+                got = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, fixed=True, config=config)
+                np.testing.assert_array_equal(got, full_acc[-M:], err_msg=f"N={N} K={K} M={M} config {config}, residual")
 
 
 @pytest.mark.parametrize("N,K", [(1034, 1032), (258, 72), (2, 8)])

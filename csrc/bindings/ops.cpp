@@ -105,6 +105,8 @@ void bind_ops(py::module_& m) {
       py::array a = y_init.cast<py::array>();
       if ((size_t)a.nbytes() != ob) throw std::invalid_argument("gemm: y_init has the wrong size");
       OI_CUDA_CHECK(cudaMemcpy(dy.p, a.data(), ob, cudaMemcpyHostToDevice));
+    } else {  // NaN-filled: an element the kernel skips cannot pass as the last call's result left in reused memory
+      OI_CUDA_CHECK(cudaMemset(dy.p, 0xFF, ob));
     }
     ops_gemm().run(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, fixed, config);
     OI_CUDA_CHECK(cudaDeviceSynchronize());
