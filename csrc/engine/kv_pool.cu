@@ -36,9 +36,9 @@ void Engine::allocate_activations() {
   act_.xs = ab(S * H);
   act_.hs = ab(S * H);
   act_.logits = static_cast<float*>(alloc(S * d_.vocab * sizeof(float), &act_bytes_));
-  // split partials, [max_split_rows] rows; an unsplit chunk-invariant launch keeps every token's running
-  // total there (T rows)
-  const size_t ws_rows = std::max<size_t>(max_split_rows_, T);
+  // split partials, [max_split_rows] rows; an unsplit chunk-invariant launch (deterministic steps only) keeps
+  // every token's running total there (T rows)
+  const size_t ws_rows = opt_.deterministic ? std::max<size_t>(max_split_rows_, T) : (size_t)max_split_rows_;
   act_.ws_o = static_cast<float*>(alloc(ws_rows * d_.heads * d_.head_dim * sizeof(float), &act_bytes_));
   act_.ws_lse = static_cast<float*>(alloc((size_t)max_split_rows_ * d_.heads * sizeof(float), &act_bytes_));
   const size_t counter_bytes = (size_t)(T + Q + 1) * d_.kv_heads * sizeof(int);  // work items <= T + Q + 1
