@@ -143,26 +143,27 @@ class Runner:
         return [(b - a) * 1e3 for a, b in zip(done, done[1:])], tokens
 
 
-def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_len: int, pdl: str,
+def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_lens: list[int], pdl: str,
                  sampling: str = "greedy", options: dict | None = None) -> list[dict]:
     import openinfer
 
     t0 = time.perf_counter()
-    eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches),
-                           max_model_len=max(ctx + 2 * steps + 16, prefill_len + 16), pdl=pdl != "0",
+    eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches, default=1),
+                           max_model_len=max(ctx + 2 * steps + 16, max(prefill_lens) + 16), pdl=pdl != "0",
                            **(options or {}))
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size, sampling=sampling)
     rows = []
-    # prefill: one prompt of prefill_len tokens, one step
-    blocks = r.alloc(prefill_len)
-    for _ in range(2):
-        r.step([(blocks, 0, prefill_len)])
-    pre = [r.step([(blocks, 0, prefill_len)]) for _ in range(5)]
-    rows.append({"preset": preset, "pdl": pdl, "what": "prefill", "tokens": prefill_len,
-                 "wall_ms_median": statistics.median(w for w, _ in pre),
-                 "gpu_ms_median": statistics.median(g for _, g in pre), "engine_init_s": init_s})
-    print(json.dumps(rows[-1]), flush=True)
+    # prefill: one prompt of each length, one step each
+    blocks = r.alloc(max(prefill_lens))
+    for n in prefill_lens:
+        for _ in range(2):
+            r.step([(blocks, 0, n)])
+        pre = [r.step([(blocks, 0, n)]) for _ in range(5)]
+        rows.append({"preset": preset, "pdl": pdl, "what": "prefill", "tokens": n,
+                     "wall_ms_median": statistics.median(w for w, _ in pre),
+                     "gpu_ms_median": statistics.median(g for _, g in pre), "engine_init_s": init_s})
+        print(json.dumps(rows[-1]), flush=True)
     for B in batches:
         seqs = [r.alloc(ctx + 2 * steps + 2) for _ in range(B)]
         done = 0
@@ -200,7 +201,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=1024)
     ap.add_argument("--batches", default="1,8,32,64")
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--prefill-len", type=int, default=1024)
+    ap.add_argument("--prefill-len", default="1024", help="comma-separated prompt lengths, each one prefill step")
     ap.add_argument("--options", default="", help="EngineConfig settings to compare, as 'name=value,...'; settings "
                     "separated by ';' each build an engine, in turn, in this process (e.g. "
                     "'persistent_decode=false;persistent_decode=true')")
@@ -209,12 +210,13 @@ def main() -> None:
     ap.add_argument("--pdl", default="1", help="programmatic dependent launch: 1, 0, or 1,0 for an A/B")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
-    batches = [int(x) for x in a.batches.split(",")]
+    batches = [int(x) for x in a.batches.split(",") if x]
+    prefill_lens = [int(x) for x in a.prefill_len.split(",")]
     rows = []
     for preset in a.preset.split(","):
         for setting, options in option_settings(a.options):
             for pdl in a.pdl.split(","):
-                got = bench_preset(preset, a.ctx, batches, a.steps, a.prefill_len, pdl, a.sampling, options)
+                got = bench_preset(preset, a.ctx, batches, a.steps, prefill_lens, pdl, a.sampling, options)
                 for r in got:
                     r["options"] = setting
                 rows += got
