@@ -2,7 +2,7 @@
 # One device call (~8 min) that decides the five experiments written on 2026-12-07 (bench/experiments/README.md).
 # Here, first (no device time):
 #   git checkout -b exp/eval main
-#   for d in skinny-gemm verify-graphs markov-one-launch prefill-kernels gemm-autotune-cold; do git am bench/experiments/$d/*.patch; done
+#   for d in skinny-gemm verify-graphs markov-one-launch prefill-kernels gemm-autotune-cold; do git am -3 bench/experiments/$d/*.patch; done
 #   bash bench/build_wheel.sh                                    # the combined tree, with _bench
 #   SITE=$(python3 -c 'import nvidia, os; print(os.path.dirname(list(nvidia.__path__)[0]))')
 #   PATH=~/.pyenv/versions/3.12.1/bin:$PATH bash bench/alt_tree.sh main -Ccmake.define.CUBLASLT_INCLUDE_DIR=$SITE/nvidia/cu13/include
