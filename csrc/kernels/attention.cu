@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   };
 
   // The first kStages - 1 tiles go out before Q is read (a group per tile, empty past the split's keys),
-  // before the wait when they hold only keys of earlier steps (positions below the item's first token).
+  // before the wait when they hold only keys of earlier steps (below the item's first position - own_keys_below).
   auto prologue = [&] {
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       else cp_async_commit();
     }
   };
-  const bool old_keys = klo + (kStages - 1) * KT <= a.positions[w.tok_start];
+  const bool old_keys = klo + (kStages - 1) * KT <= a.positions[w.tok_start] - a.own_keys_below;
   if (old_keys) prologue();
   pdl_wait();
   if (!old_keys) prologue();

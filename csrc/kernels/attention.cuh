@@ -58,6 +58,10 @@ struct AttnArgs {
   // segment, folded by the merge kernel). A row's result then depends on its position and keys only: not on
   // the item it shares, the split count, the rows per block or the other sequences of the step.
   int segment = 0;
+  // Keys below an item's first position that the step itself writes (the drafter's block: every row sits at
+  // the block's last position, block - 1 keys past its first): an early (PDL) launch requests none of them
+  // before its wait, which the kernel writing them may not have passed.
+  int own_keys_below = 0;
 };
 
 constexpr int kAttnMaxRowsPerBlock = 64;  // query rows (tokens x group heads) per block: 4 warps x 16

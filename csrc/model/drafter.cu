@@ -30,6 +30,7 @@ void drafter_block(const ModelDims& d, const DrafterDims& dd, const DrafterWeigh
   at.block_tables = b.block_tables;
   at.bt_stride = b.bt_stride;
   at.positions = b.mask_pos;
+  at.own_keys_below = dd.block_size - 1;  // the block's keys, written by the layer's previous kernel
   at.context_lens = b.context_lens;
   at.work = b.work;
   at.num_work = b.num_work;
