@@ -8,6 +8,7 @@ The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOP
   python bench/bench_kernels.py --attention 1x1024,1x8192,8x1024,64x1024 --splits 0,1,4,16,64 \
       --variants 'key_warps=0;key_warps=1'
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64,256 --configs=-2,-1,0,1,2,3
+  python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64 --configs=-2,-3
 """
 from __future__ import annotations
 
@@ -71,7 +72,8 @@ def chain(a, bench) -> list:
 
 def gemm_chain(a, bench) -> list:
     """A decode step's GEMMs (the four projections x all layers, one graph) per model, row count and GEMM:
-    cuBLASLt (-2) against the batch-invariant kernel's families (-1: as its launcher picks)."""
+    cuBLASLt (-2) against skinny_gemm (-3: wgmma + TMA, 1-64 rows) and the batch-invariant kernel's families (-1: as
+    its launcher picks)."""
     rows = []
     print(f"{'model':6} {'M':>4} {'config':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
     for model in a.gemm_chain.split(","):
@@ -96,8 +98,10 @@ def main() -> None:
                     "time the GEMV chain instead")
     ap.add_argument("--attention", default=None, help="BxCTX cases: time decode attention instead")
     ap.add_argument("--gemm-chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
-                    "time a step's GEMMs in a graph, cuBLASLt against the batch-invariant GEMM's families (--configs)")
-    ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
+                    "time a step's GEMMs in a graph, cuBLASLt against skinny_gemm and the batch-invariant GEMM's "
+                    "families (--configs)")
+    ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -3 skinny_gemm (wgmma + TMA, 1-64 rows; "
+                    "cuBLASLt above), -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
     ap.add_argument("--variants", default="", help="--attention (key_warps, cluster_cap), --chain (kernel: 0 auto, 1 CUDA "

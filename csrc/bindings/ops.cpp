@@ -10,6 +10,7 @@
 #include "../engine/plan.h"
 #include "../gemm/fixed_gemm.h"
 #include "../gemm/gemm.h"
+#include "../gemm/skinny_gemm.h"
 #include "../kernels/attention.cuh"
 #include "../kernels/elementwise.cuh"
 #include "../kernels/gemv.cuh"
@@ -117,6 +118,116 @@ void bind_ops(py::module_& m) {
      "Y = X Wᵀ (+ y_init); fixed: the batch-invariant kernel (rows do not depend on M), config >= 0 forcing its tile "
      "family");
   ops.attr("FIXED_GEMM_CONFIGS") = kFixedGemmConfigs;
+  ops.attr("GEMM_SKINNY") = kGemmSkinny;
+  ops.def("skinny_gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init,
+                            bool out_f32, bool silu_up, int splits, int graph_replays) -> py::object {
+    const int ncols = silu_up ? N / 2 : N;
+    const size_t ob = (size_t)M * ncols * (out_f32 ? 4 : 2);
+    Dev dx(x), dw(w), dy(ob), dy0(ob);
+    const bool acc = !y_init.is_none();
+    if (acc) {
+      py::array a = y_init.cast<py::array>();
+      if ((size_t)a.nbytes() != ob) throw std::invalid_argument("skinny_gemm: y_init has the wrong size");
+      OI_CUDA_CHECK(cudaMemcpy(dy0.p, a.data(), ob, cudaMemcpyHostToDevice));
+    } else {  // NaN-filled: an output the kernel skips cannot pass
+      OI_CUDA_CHECK(cudaMemset(dy0.p, 0xFF, ob));
+    }
+    OI_CUDA_CHECK(cudaMemcpy(dy.p, dy0.p, ob, cudaMemcpyDeviceToDevice));
+    if (!skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, silu_up, splits)) return py::none();
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    auto fetch = [&]() { return out_f32 ? py::array(dy.get<float>({M, ncols})) : py::array(dy.get<uint16_t>({M, ncols})); };
+    py::array eager = fetch();
+    if (graph_replays <= 0) return eager;
+    // The same call captured in a graph (Y reset from y_init inside it) and replayed graph_replays times.
+    OI_CUDA_CHECK(cudaMemset(dy.p, 0, ob));
+    cudaStream_t st;
+    OI_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    cudaGraph_t graph = nullptr;
+    OI_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+    try {
+      OI_CUDA_CHECK(cudaMemcpyAsync(dy.p, dy0.p, ob, cudaMemcpyDeviceToDevice, st));
+      skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up, splits);
+    } catch (...) {
+      cudaStreamEndCapture(st, &graph);
+      if (graph) cudaGraphDestroy(graph);
+      cudaStreamDestroy(st);
+      throw;
+    }
+    OI_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+    cudaGraphExec_t exec;
+    OI_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < graph_replays; ++i) OI_CUDA_CHECK(cudaGraphLaunch(exec, st));
+    OI_CUDA_CHECK(cudaStreamSynchronize(st));
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+    cudaStreamDestroy(st);
+    return py::make_tuple(eager, fetch());
+  }, py::arg("x"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("y_init"), py::arg("out_f32"),
+     py::arg("silu_up") = false, py::arg("splits") = 0, py::arg("graph_replays") = 0,
+     "skinny_gemm: Y = X Wᵀ (+ y_init; silu_up: SiLU(gate)·up of W = [gate; up], [M, N / 2]); None where it refuses "
+     "the shape; splits forces the K splits; graph_replays > 0: (eager, the same call replayed in a CUDA graph)");
+  ops.def("skinny_gemm_splits", [](int M, int N, int K, bool silu_up, int splits) {
+    int dev = 0, sms = 0;
+    OI_CUDA_CHECK(cudaGetDevice(&dev));
+    OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    return py::dict(py::arg("splits") = skinny_gemm_splits(M, N, K, silu_up, splits), py::arg("num_sms") = sms);
+  }, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("silu_up") = false, py::arg("splits") = 0,
+     "the K splits skinny_gemm launches for this shape (0: refused) and the device's SM count");
+  ops.def("skinny_gemm_chain", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w1, const Arr<uint16_t>& w2, int M, int N1,
+                                  int K, int N2, int mode) {
+    // h = x·w1ᵀ [M, N1]; o = h·w2ᵀ [M, N2]; o += h·w2ᵀ: each launch reads what the one before wrote (X, then Y).
+    // mode 0: every launch alone (no PDL, a device sync after each); 1: back to back on one stream (PDL);
+    // 2: captured in a CUDA graph (programmatic edges) after a mode-1 warm-up, replayed twice.
+    OI_CHECK(mode >= 0 && mode <= 2, "skinny_gemm_chain: mode " << mode);
+    Dev dx(x), dw1(w1), dw2(w2), dh((size_t)M * N1 * 2), dout((size_t)M * N2 * 2);
+    cudaStream_t st;
+    OI_CUDA_CHECK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    const bool pdl_before = pdl_enabled();
+    auto chain = [&](bool sync) {
+      OI_CUDA_CHECK(cudaMemsetAsync(dh.p, 0xFF, dh.n, st));
+      OI_CUDA_CHECK(cudaMemsetAsync(dout.p, 0xFF, dout.n, st));
+      auto run = [&](const void* X, const void* W, void* Y, int n, int k, bool acc) {
+        OI_CHECK(skinny_gemm(static_cast<const bf16*>(X), static_cast<const bf16*>(W), Y, M, n, k, acc, false, st),
+                 "skinny_gemm_chain: skinny_gemm refused M=" << M << " N=" << n << " K=" << k);
+        if (sync) OI_CUDA_CHECK(cudaStreamSynchronize(st));
+      };
+      run(dx.p, dw1.p, dh.p, N1, K, false);
+      run(dh.p, dw2.p, dout.p, N2, N1, false);
+      run(dh.p, dw2.p, dout.p, N2, N1, true);
+    };
+    pdl_enabled() = mode != 0;
+    try {
+      chain(mode == 0);
+      if (mode == 2) {
+        OI_CUDA_CHECK(cudaStreamSynchronize(st));
+        cudaGraph_t graph = nullptr;
+        OI_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
+        try {
+          chain(false);
+        } catch (...) {
+          cudaStreamEndCapture(st, &graph);
+          if (graph) cudaGraphDestroy(graph);
+          throw;
+        }
+        OI_CUDA_CHECK(cudaStreamEndCapture(st, &graph));
+        cudaGraphExec_t exec;
+        OI_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+        for (int i = 0; i < 2; ++i) OI_CUDA_CHECK(cudaGraphLaunch(exec, st));
+        OI_CUDA_CHECK(cudaStreamSynchronize(st));
+        cudaGraphExecDestroy(exec);
+        cudaGraphDestroy(graph);
+      }
+      OI_CUDA_CHECK(cudaStreamSynchronize(st));
+    } catch (...) {
+      pdl_enabled() = pdl_before;
+      cudaStreamDestroy(st);
+      throw;
+    }
+    pdl_enabled() = pdl_before;
+    cudaStreamDestroy(st);
+    return py::make_tuple(dh.get<uint16_t>({M, N1}), dout.get<uint16_t>({M, N2}));
+  }, py::arg("x"), py::arg("w1"), py::arg("w2"), py::arg("M"), py::arg("N1"), py::arg("K"), py::arg("N2"),
+     py::arg("mode"), "(h, o) of three dependent skinny_gemm launches, alone, back to back under PDL, or replayed in a graph");
   ops.def("gemv", [](const Arr<uint16_t>& x, py::object norm_w, const Arr<uint16_t>& w, int M, int N, int K, int in_mode,
                      int out_mode, py::object y_init, float eps, int kernel) {
     const bool f32out = out_mode == (int)GemvOut::kF32;

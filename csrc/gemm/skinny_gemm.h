@@ -1,0 +1,35 @@
+// skinny_gemm (skinny_gemm.cu): Y[M, N] = X[M, K] · W[N, K]^T (+ Y) for 1-64 rows on Hopper (sm_90a), bf16 in, fp32
+// accumulate. Decode, speculative verify and prefix-hit tail steps are pure weight streams: the tensor copy engine
+// (TMA) brings 128 weight rows x 64 of K per stage into a shared-memory ring, one warpgroup multiplies them by the
+// input rows with wgmma, and K is split so that every shape fills the SMs; the splits of an output tile form a
+// thread-block cluster and add their sums through distributed shared memory in split order (deterministic; no
+// workspace, no counters, nothing to reset between launches or graph replays).
+#pragma once
+#include "../common.h"
+
+namespace oi {
+
+constexpr int kSkinnyMaxRows = 64;
+constexpr int kSkinnyMaxSplits = 8;  // a portable cluster
+
+// Launches Y = X·Wᵀ and returns true, or returns false having launched nothing for what it does not take: M outside
+// 1..64, N or K below 64 or not a multiple of 8, a pointer not 16-byte aligned, silu_up with accumulate or out_f32, a
+// device other than compute capability 9.0. X is [M, K], W [N, K], Y [M, N] (fp32 with out_f32), all contiguous.
+//  - accumulate: Y += X·Wᵀ (the residual add), summed in fp32 and rounded once;
+//  - silu_up: W is [gate; up] (N = 2I rows) and Y is [M, I] = SiLU(gate)·up with gate and up each rounded to bf16
+//    first, as gemv.cu's fused epilogue and silu_mul after a bf16 GEMM do;
+//  - splits: the K splits per output tile (0: the launch rule, skinny_gemm_splits; tests force 1-8).
+// Launched with programmatic dependent launch: the first weight stages are requested before the wait on the previous
+// kernel, X and Y are touched only after it.
+// Tensor maps (TMA descriptors) are encoded on the host and cached per (pointer, shape); the first call for a pointer
+// and shape must run outside stream capture (a miss during capture fails with a message that says so): the engine's
+// warm-up forward before each capture, and the harnesses' first uncaptured run, make them. A captured graph keeps the
+// maps by value in its kernel nodes and stays valid as long as the buffers do.
+bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
+                 cudaStream_t s, bool silu_up = false, int splits = 0);
+
+// The K splits a call of this shape launches (the rule, or the forced count as the launcher clamps it; 0 where the
+// shape is refused). For tests and benchmarks.
+int skinny_gemm_splits(int M, int N, int K, bool silu_up = false, int splits = 0);
+
+}  // namespace oi
