@@ -66,7 +66,8 @@ struct Params {
   int flags;    // kSiluFlag | kAccFlag | kF32Flag
 };
 
-// ---- device helpers (sm_90a) ----
+// ---- device helpers (sm_90a; left out of other architectures' passes, where the kernel is a stub) ----
+#if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
 // wgmma shared-memory matrix descriptor of a K-major tile in the 128-byte swizzle: rows of 128 bytes (64 bf16),
 // 8-row groups 1024 bytes apart. Bits 0-13: start address >> 4; 16-29: leading byte offset >> 4 (unused for a
@@ -260,6 +261,8 @@ __device__ __forceinline__ void store4(const Params& p, int m, int tile, int c, 
     *y = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
   }
 }
+
+#endif  // device helpers
 
 // grid (S, tiles), cluster (S, 1, 1): block (split, tile) multiplies tile `tile`'s 128 weight rows over the split's
 // K blocks [kblocks * split / S, kblocks * (split + 1) / S).
