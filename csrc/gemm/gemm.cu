@@ -163,7 +163,9 @@ void Gemm::run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool 
                cudaStream_t s, bool fixed, int config) {
   if (M == 0) return;
   if (fixed) return fixed_gemm(X, W, Y, M, N, K, accumulate, out_f32, s, config);
-  if (config == kGemmSkinny && skinny_gemm(X, W, Y, M, N, K, accumulate, out_f32, s)) return;
+  if ((config == kGemmSkinny || (config == -1 && M <= kSkinnyEngineRows)) &&
+      skinny_gemm(X, W, Y, M, N, K, accumulate, out_f32, s))
+    return;
   Plan& p = plan(M, N, K, accumulate, out_f32, X, W, Y, s);
   const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   OI_LT_CHECK(api_->cublasLtMatmul(static_cast<cublasLtHandle_t>(handle_), p.desc, &alpha, W, p.a, X, p.b, &beta, Y,

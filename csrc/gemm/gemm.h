@@ -24,9 +24,9 @@ class Gemm {
 
   // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
   // fixed: the batch-invariant kernel (fixed_gemm.h) instead, whose rows do not depend on M (--deterministic).
-  // config: fixed_gemm's kernel family (-1: by M and N; tests force each). Without `fixed`, kGemmSkinny sends the
-  // call to skinny_gemm (skinny_gemm.h) where that takes the shape (1-64 rows), cuBLASLt elsewhere: for A/B runs
-  // (bench gemm_chain, tests); the engine never passes it.
+  // config: fixed_gemm's kernel family (-1: by M and N; tests force each). Without `fixed`, skinny_gemm
+  // (skinny_gemm.h) takes what it can of up to kSkinnyEngineRows rows, cuBLASLt the rest; kGemmSkinny sends any
+  // shape skinny_gemm takes (1-64 rows) to it, for A/B runs (bench gemm_chain, tests).
   void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s,
            bool fixed = false, int config = -1);
   // While on, a new shape with M <= 512 times the heuristic's candidates on the buffers it is given and

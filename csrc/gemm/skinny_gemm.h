@@ -32,4 +32,8 @@ bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, boo
 // shape is refused). For tests and benchmarks.
 int skinny_gemm_splits(int M, int N, int K, bool silu_up = false, int splits = 0);
 
+// The engine's GEMMs of 3 to this many rows come here (fewer go to gemv.cu): in a graph of a 4B step's GEMMs it is
+// 10-13% faster than cuBLASLt at 4-32 rows and 2% slower at 64 (H100, bench/results/experiments_h100_2026-12-07).
+constexpr int kSkinnyEngineRows = 32;
+
 }  // namespace oi

@@ -1,4 +1,5 @@
 #include "../kernels/elementwise.cuh"
+#include "../gemm/skinny_gemm.h"
 #include "../kernels/gemv.cuh"
 #include "qwen3.h"
 
@@ -16,6 +17,7 @@ void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps
     src = scratch;
   }
   if (out == GemvOut::kSiluMul) {
+    if (!fixed && M <= kSkinnyEngineRows && skinny_gemm(src, W, y, M, N, K, false, false, s, true)) return;
     gemm.run(src, W, gu, M, N, K, false, false, s, fixed);
     silu_mul(gu, static_cast<bf16*>(y), M, N / 2, s);
     return;
