@@ -8,7 +8,10 @@ and the speed-up projected from the measured round costs at DSpark-4B's publishe
            context, the largest span and the drafter's block, which a draft writes past the step's tokens);
            the N timed rounds then reuse the same positions (a rolled-back round). Device time
            (StepOutput.gpu_ms; the drafter's StepOutput.draft_ms where the backend reports it) and wall time,
-           median of N.
+           median of N. On the CUDA engine a verify+draft round of the drafter's span replays its bucket's
+           CUDA graph (graphed: true) up to the largest verify bucket; a "verify+draft eager" row times the
+           same step with force_eager (the bucket's kernels launched one by one, the same results), so the
+           two rows give what the graph saves.
   serve    TPOT and output tok/s in-process (LLMEngine.step, as the server drives it) at concurrency 1/4/8:
            the plain engine (the baseline, and the recordings of its greedy outputs), then the same config
            with a ReplayDrafter at fixed acceptance tau = 1..8 (a controlled acceptance, not a drafter's).
@@ -123,7 +126,7 @@ class StepMaker:
         self.next_block += n
         return out
 
-    def step(self, items, verify: bool = False, draft: bool = False):
+    def step(self, items, verify: bool = False, draft: bool = False, force_eager: bool = False):
         """items: (blocks, first position, tokens) per sequence. Plain: the last token of each samples;
         verify: every token samples (the sequence's [anchor, d1..dk])."""
         from openinfer.step import StepInput
@@ -145,7 +148,7 @@ class StepMaker:
                          sample_idx=np.array(sample, np.int32), temperature=np.zeros(S, np.float32),
                          top_p=np.ones(S, np.float32), top_k=np.zeros(S, np.int32),
                          seeds=np.arange(S, dtype=np.uint64), verify=verify,
-                         draft=np.ones(len(items), np.int32) if draft else None)
+                         draft=np.ones(len(items), np.int32) if draft else None, force_eager=force_eager)
 
     def prefill(self, seqs, ctx: int, budget: int, max_seqs: int) -> None:
         """Positions 0..ctx-1 of every sequence, in steps of at most `budget` tokens and `max_seqs` sequences."""
@@ -165,6 +168,8 @@ def time_steps(backend, step, n: int, warmup: int, stats=None) -> dict:
     """The same StepInput n + warmup times (it writes the same positions: a rolled-back round each time):
     medians of wall ms, device ms (StepOutput.gpu_ms) and drafter device ms (StepOutput.draft_ms)."""
     walls, gpus, drafts, host_draft, accepted = [], [], [], [], []
+    graphs = lambda: getattr(getattr(backend, "eng", None), "graph_steps", 0)  # CUDA graph replays (0 on the CPU)
+    g0 = graphs()
     for i in range(warmup + n):
         d0 = stats()["spec_draft_seconds"] if stats else 0.0
         t0 = time.perf_counter()
@@ -182,7 +187,8 @@ def time_steps(backend, step, n: int, warmup: int, stats=None) -> dict:
         if step.draft is not None and (out.drafts is None or (np.asarray(out.drafts) < 0).all()):
             raise RuntimeError("a verify+draft step came back without drafts")
     row = dict(steps=n, wall_ms_median=statistics.median(walls), wall_ms_p90=float(np.percentile(walls, 90)),
-               gpu_ms_median=statistics.median(gpus), draft_ms_median=statistics.median(drafts))
+               gpu_ms_median=statistics.median(gpus), draft_ms_median=statistics.median(drafts),
+               graphed=graphs() - g0 == warmup + n)
     if host_draft:  # the engine's own drafter clock (LLMEngine.stats spec_draft_seconds), per step
         row["engine_draft_ms_median"] = statistics.median(host_draft)
     if accepted:
@@ -224,8 +230,11 @@ def bench_rounds_engine(a, label: str, draft_path: str | None) -> list[dict]:
             shapes = [("decode", 1, False, False)]
             shapes += [("verify", s, True, False) for s in spans]
             shapes += [("verify+draft", dspan, True, True)] if dspan else []
+            if dspan and a.device == "cuda":  # the same round without its graph
+                shapes += [("verify+draft eager", dspan, True, True)]
             for what, span, verify, draft in shapes:
-                step = m.step([(s, a.context, span) for s in seqs], verify=verify, draft=draft)
+                step = m.step([(s, a.context, span) for s in seqs], verify=verify, draft=draft,
+                              force_eager=what.endswith("eager"))
                 row = dict(base, what=what, batch=B, span=span, tokens=B * span,
                            **time_steps(backend, step, a.rounds, a.warmup, stats))
                 rows.append(row)
@@ -244,6 +253,9 @@ def bench_rounds_engine(a, label: str, draft_path: str | None) -> list[dict]:
             v = ver[(r["batch"], r["span"])]
             r["draft_wall_ms_over_verify"] = r["wall_ms_median"] - v["wall_ms_median"]
             r["draft_gpu_ms_over_verify"] = r["gpu_ms_median"] - v["gpu_ms_median"]
+            e = next((x for x in rows if x["what"] == "verify+draft eager" and x["batch"] == r["batch"]), None)
+            if e is not None and r["graphed"]:  # what the graph saves on this round
+                r["eager_gpu_ms"], r["eager_wall_ms"] = e["gpu_ms_median"], e["wall_ms_median"]
     return rows
 
 
@@ -261,19 +273,27 @@ def cmd_rounds(a) -> dict:
                 # e.g. a backend without the drafter yet: the plain and verify rows above still stand
                 errors.append(dict(engine=label, error=f"{type(e).__name__}: {e}"))
                 print(f"{label}: {e}", file=sys.stderr)
+    # issue 24's measure: a round over the plain engine's decode step (a graph on CUDA; a drafter engine's own
+    # decode steps are eager, as they write the drafter's context)
+    plain = {r["batch"]: r for r in rows if r["engine"] == "target" and r["what"] == "decode"}
+    for r in rows:
+        p = plain.get(r["batch"])
+        if p is not None and r["engine"] != "target" and p["gpu_ms_median"] > 0:
+            r["gpu_x_target_decode"] = r["gpu_ms_median"] / p["gpu_ms_median"]
     return dict(what="rounds", rows=rows, errors=errors)
 
 
 def table_rounds(res: dict) -> None:
     print("round costs (medians); draft ms: StepOutput.draft_ms (device); host draft: the engine's drafter clock; "
-          "x plain: over the same engine's plain step (device time, else wall)")
-    print(f"{'engine':28} {'what':13} {'B':>3} {'span':>4} {'wall ms':>9} {'gpu ms':>8} {'draft ms':>8} "
-          f"{'host draft':>10} {'x plain':>7}")
+          "x plain: over the same engine's plain step (device time, else wall); x target: over the plain "
+          "engine's decode step (device time); graph: the step replayed a CUDA graph")
+    print(f"{'engine':28} {'what':18} {'B':>3} {'span':>4} {'wall ms':>9} {'gpu ms':>8} {'draft ms':>8} "
+          f"{'host draft':>10} {'x plain':>7} {'x target':>8} graph")
     for r in res["rows"]:
         x = r.get("gpu_x_plain", r.get("wall_x_plain", float("nan")))
-        print(f"{r['engine'][:28]:28} {r['what']:13} {r['batch']:3} {r['span']:4} {r['wall_ms_median']:9.3f} "
+        print(f"{r['engine'][:28]:28} {r['what']:18} {r['batch']:3} {r['span']:4} {r['wall_ms_median']:9.3f} "
               f"{r['gpu_ms_median']:8.3f} {r['draft_ms_median']:8.3f} {r.get('engine_draft_ms_median', 0.0):10.3f} "
-              f"{x:7.2f}")
+              f"{x:7.2f} {r.get('gpu_x_target_decode', float('nan')):8.2f} {'yes' if r.get('graphed') else 'no'}")
     for e in res.get("errors", []):
         print(f"{e['engine']}: not measured: {e['error']}")
 

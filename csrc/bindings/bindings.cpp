@@ -210,6 +210,8 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("device_name", &Engine::device_name)
       .def_property_readonly("graph_batches", &Engine::graph_batches)
       .def_property_readonly("graph_steps", &Engine::graph_steps)
+      .def_property_readonly("verify_graph_batches", &Engine::verify_graph_batches)
+      .def_property_readonly("graph_bytes", &Engine::graph_bytes)
       .def_property_readonly("persistent_capable", &Engine::persistent_capable)
       .def_property_readonly("pending", &Engine::pending)
       .def_property("pdl", &Engine::pdl, &Engine::set_pdl)
@@ -252,7 +254,8 @@ PYBIND11_MODULE(_engine, m) {
                                                py::arg("restore_seconds") = s.restore_seconds,
                                                py::arg("layer_waits") = s.layer_waits);
                              })
-      .def("read_kv_block", [](const Engine& e, int64_t b) { const auto v = e.read_kv_block(b); return to_numpy(v, {(py::ssize_t)v.size()}); })
+      .def("read_kv_block", [](const Engine& e, int64_t b, bool drafter) { const auto v = e.read_kv_block(b, drafter); return to_numpy(v, {(py::ssize_t)v.size()}); },
+           py::arg("block"), py::arg("drafter") = false)
       .def("read_host_block", [](const Engine& e, int64_t s) { const auto v = e.read_host_block(s); return to_numpy(v, {(py::ssize_t)v.size()}); })
       .def("set_kernel_choice",
            [](Engine& e, bool persistent, bool fuse_rope, bool key_warps, int cluster_cap, int gemv) {

@@ -123,7 +123,7 @@ Engine::DraftStage Engine::stage_draft(const StepInput& in, const StepPlan& plan
   return ds;
 }
 
-void Engine::run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_drafts) {
+void Engine::run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_drafts, const AttnVariant& v) {
   DrafterState& st = *dr_;
   const DrafterDims& dd = st.dims;
   drafter_context(st.md, dd, st.w, act_, st.feats, m.positions, m.slots, m.T, rope_, st.kv_cache, st.kv, *gemm_,
@@ -165,7 +165,7 @@ void Engine::run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_d
     b.num_work = n_work;
     b.max_rows = std::min(qt, dd.block_size) * group;
     b.num_splits = attn_num_splits(n_work, d_.kv_heads, ds.max_ctx[c], Dc * dd.block_size, num_sms_, max_split_rows_,
-                                   b.max_rows, eager_kernels_.attention);
+                                   b.max_rows, v);
     b.rows = a.rows_out;
     b.anchors = a.anchors;
     b.temperature = a.d_temperature;

@@ -60,6 +60,10 @@ void Engine::release() noexcept {
   }
   for (auto& g : graphs_)
     if (g.exec) cudaGraphExecDestroy(g.exec);
+  for (auto& g : vgraphs_) {
+    if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (g.graph) cudaGraphDestroy(g.graph);
+  }
   for (int i = 0; i < 2; ++i) {
     if (graph_host_[i]) cudaFreeHost(graph_host_[i]);
     for (cudaEvent_t e : graph_ev_[i])
@@ -124,7 +128,7 @@ void Engine::launch(const StepInput& in) {
   // Before the forward: they wait for the steps launched before this one only. kv_load_wait: enqueue()
   // issues them after the step's inputs, and hands the forward their per-layer events.
   if (!in.kv_load_wait) issue_copies(in);  // kv_load_wait steps are never graphs (launch_graph)
-  if (!launch_graph(in)) pending_.push_back(enqueue(in, plan, kv_cache_));
+  if (!launch_graph(in) && !launch_verify_graph(in)) pending_.push_back(enqueue(in, plan, kv_cache_));
   layer_ready_.clear();
   last_launch_S_ = in.S();
   ++launches_;
@@ -135,7 +139,8 @@ StepResult Engine::collect() {
   Pending p = std::move(pending_.front());
   pending_.pop_front();
   if (p.copies_only) return StepResult{};
-  return p.graph ? finish_graph(p) : finish_eager(p);
+  if (!p.graph) return finish_eager(p);
+  return p.verify ? finish_verify_graph(p) : finish_graph(p);
 }
 
 bf16* Engine::tap_buffer(size_t elems) {
@@ -250,7 +255,7 @@ Engine::Pending Engine::enqueue(const StepInput& in, const StepPlan& plan, bf16*
   }
   OI_CUDA_CHECK(cudaEventRecord(ev[3], stream_));
   if (drafter) {
-    run_drafter(m, ds, (int32_t*)(dev + drafts_off));
+    run_drafter(m, ds, (int32_t*)(dev + drafts_off), eager_kernels_.attention);
     p.draft_seqs = plan.draft_seqs;
   }
   OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
@@ -421,12 +426,14 @@ void Engine::wait_copies() {
   retire(loads_, true, true);
 }
 
-std::vector<uint16_t> Engine::read_kv_block(int64_t block) const {
+std::vector<uint16_t> Engine::read_kv_block(int64_t block, bool drafter) const {
   OI_CHECK(block >= 0 && block < num_blocks_, "read_kv_block: block " << block << " out of range");
-  std::vector<uint16_t> out(kv_block_bytes() / 2);
+  OI_CHECK(!drafter || dr_, "read_kv_block: no drafter");
+  const int64_t bytes = drafter ? dr_->block_bytes() : kv_block_bytes();
+  const char* pool = reinterpret_cast<const char*>(drafter ? dr_->kv_cache : kv_cache_);
+  std::vector<uint16_t> out(bytes / 2);
   OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  OI_CUDA_CHECK(cudaMemcpy(out.data(), reinterpret_cast<const char*>(kv_cache_) + block * kv_block_bytes(),
-                           kv_block_bytes(), cudaMemcpyDeviceToHost));
+  OI_CUDA_CHECK(cudaMemcpy(out.data(), pool + block * bytes, bytes, cudaMemcpyDeviceToHost));
   return out;
 }
 

@@ -5,7 +5,7 @@
 //   weights.cu  checkpoint tensors into their slots, random weights
 //   kv_pool.cu  activations, the profiling step, KV pool and host tier sizing
 //   plan.cu     a step's validation and attention work (shared with the kernel test ops)
-//   graphs.cu   the decode buckets: capture, the metadata arena, replay
+//   graphs.cu   the CUDA graph buckets (decode steps; verify rounds with a drafter): capture, arena, replay
 //   draft.cu    the drafter of speculative decoding: its weights, KV pool, and its part of a step
 #pragma once
 #include <algorithm>
@@ -39,7 +39,8 @@ class Engine {
   void init_random(uint64_t seed);
   // Speculative decoding (before finalize()): a DFlash / DSpark drafter whose tensors then load through
   // load_tensor() under the kinds "draft.<kind>" (the layer kinds, fc, hidden_norm, norm, markov_w1/w2).
-  // With a drafter every step is eager (each writes the drafter's context for its tokens).
+  // With a drafter, decode steps are eager (each writes the drafter's context for its tokens) and verify rounds
+  // of the drafter's span replay the verify graphs (graphs.cu).
   void set_drafter(const DrafterDims& dd);
   bool has_drafter() const { return dr_ != nullptr; }
   // After the weights: allocate activations, run one profiling step, size and zero the KV pool, pin the
@@ -66,7 +67,7 @@ class Engine {
   };
   CopyStats copy_stats() const { return copy_stats_; }
   // Tests: one KV block's bytes (bf16 bits) on the device, or one host slot's.
-  std::vector<uint16_t> read_kv_block(int64_t block) const;
+  std::vector<uint16_t> read_kv_block(int64_t block, bool drafter = false) const;  // drafter: its pool's block
   std::vector<uint16_t> read_host_block(int64_t slot) const;
 
   // Tests: kernels of later eager launches (graphs keep those they were captured with).
@@ -81,7 +82,9 @@ class Engine {
   int64_t activation_bytes() const { return act_bytes_; }
   int num_sms() const { return num_sms_; }
   std::vector<int> graph_batches() const;
-  int64_t graph_steps() const { return graph_steps_; }
+  int64_t graph_steps() const { return graph_steps_; }  // graph replays so far, decode and verify
+  std::vector<int> verify_graph_batches() const;
+  int64_t graph_bytes() const { return graph_bytes_; }  // device memory the captured graphs took (cudaMemGetInfo)
   // PDL for later eager launches (captured graphs keep their edges): tests compare the two launch modes.
   bool pdl() const { return pdl_; }
   void set_pdl(bool on) { pdl_ = on && pdl_capable_; }
@@ -95,6 +98,7 @@ class Engine {
     bool graph = false;
     bool copies_only = false;  // a step of no tokens: nothing to wait for
     int slot = 0;  // graph arena image, or eager staging slot
+    int bucket = 0;  // verify graphs: the bucket's sequences (padding included)
     int B = 0, S = 0, num_logprobs = 0, taps = 0, tap_rows = 0;
     bool verify = false;
     bool drafter = false;  // the drafter ran after the target (draft_ms; drafts when draft_seqs)
@@ -139,7 +143,7 @@ class Engine {
   bf16* drafter_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);
   void allocate_drafter();
   DraftStage stage_draft(const StepInput& in, const StepPlan& plan, Stager& st);
-  void run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_drafts);
+  void run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_drafts, const AttnVariant& v);
   void take_drafts(const Pending& p, const int32_t* host_drafts, StepResult& r) const;
   // graphs.cu
   struct Graph {
@@ -153,6 +157,25 @@ class Engine {
   StepMeta graph_meta(int batch, const KernelChoice& k) const;
   bool launch_graph(const StepInput& in);  // queues a decode bucket step; false when the step is not one
   StepResult finish_graph(const Pending& p);
+  void alloc_arena(size_t bytes);  // the pinned images, their events and the device arena (one kind of graph)
+  // Verify rounds (an engine with a drafter): per bucket, the verify forward over [anchor, d1..dk] of every
+  // sequence (k = the drafter's num_drafts) and the drafter's pass after it, in one graph.
+  struct VerifyGraph {
+    int batch = 0;
+    cudaGraph_t graph = nullptr;      // kept for its node handle below
+    cudaGraphExec_t exec = nullptr;   // null when cuda_graph is off
+    cudaGraphNode_t split = nullptr;  // event record node between the target's part and the drafter's (draft_ms)
+  };
+  struct VerifyArena {
+    size_t ids, pos, slots, topk, temp, topp, seeds, ctx, bt, tokens, logprobs, accepted, drafts, seq_rows, work,
+        draft_work, bytes;
+  };
+  void capture_verify_graphs();
+  StepMeta verify_meta(int batch, const KernelChoice& k) const;
+  DraftStage verify_draft_stage(int batch) const;
+  void pad_verify_rows(char* h, int b0, int b1) const;
+  bool launch_verify_graph(const StepInput& in);  // queues a verify bucket step; false when the step is not one
+  StepResult finish_verify_graph(const Pending& p);
 
   ModelDims d_;
   EngineOptions opt_;
@@ -183,14 +206,20 @@ class Engine {
   std::vector<Graph> graphs_;  // ascending batch
   GraphArena ga_{};
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
-  cudaEvent_t graph_ev_[2][3] = {};            // per slot: start, end of the forward, outputs on the host
+  // per slot: start, end of the forward, outputs on the host, end of the target's part (verify graphs)
+  cudaEvent_t graph_ev_[2][4] = {};
   int graph_slot_ = 0;
   int last_launch_S_ = -1;                     // sampled rows of the last launch (-1: none yet)
   const int32_t* last_tokens_ = nullptr;       // device: the last launch's sampled tokens (what prev_rows reads)
   std::deque<Pending> pending_;
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
-  int64_t graph_steps_ = 0;
+  int64_t graph_steps_ = 0, graph_bytes_ = 0;
+  // An engine has decode graphs (no drafter) or verify graphs (a drafter), never both: they share the arena
+  // images, events and slot above.
+  std::vector<VerifyGraph> vgraphs_;  // ascending batch
+  VerifyArena va_{};
+  int verify_span_ = 0, verify_bt_stride_ = 0, verify_items_ = 0, verify_max_rows_ = 0, verify_draft_items_ = 0;
   char* stage_[2] = {nullptr, nullptr};  // pinned upload stages (weights only; freed by finalize)
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
   int stage_cur_ = 0;

@@ -1,4 +1,5 @@
-// The decode buckets: one CUDA graph per batch size over a fixed-layout metadata arena, captured at start-up.
+// The CUDA graph buckets, captured at start-up over a fixed-layout metadata arena: one graph per batch size of
+// decode steps, or, in an engine with a drafter, of verify rounds (the verify forward and the drafter's pass).
 #include <algorithm>
 #include <cstring>
 
@@ -83,11 +84,7 @@ void Engine::capture_graphs() {
   // which an overlapped launch reads on the device (feed_tokens).
   ga_.tokens = field(Bmax * 4); ga_.logprobs = field(Bmax * 4);
   ga_.bytes = off;
-  for (int i = 0; i < 2; ++i) {
-    OI_CUDA_CHECK(cudaMallocHost(&graph_host_[i], ga_.bytes));
-    for (cudaEvent_t& e : graph_ev_[i]) OI_CUDA_CHECK(cudaEventCreate(&e));
-  }
-  graph_dev_ = static_cast<char*>(alloc(ga_.bytes, &act_bytes_));
+  alloc_arena(ga_.bytes);
   // Dummy decode rows for capture: block 0 is reserved, so nothing real is touched.
   char* h0 = graph_host_[0];
   std::memset(h0, 0, ga_.bytes);
@@ -100,6 +97,8 @@ void Engine::capture_graphs() {
   }
   std::memcpy(graph_host_[1], h0, ga_.bytes);  // the constant fields (sample_idx, work) live in both images
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, ga_.bytes, cudaMemcpyHostToDevice));
+  size_t free0 = 0, free1 = 0, total = 0;
+  OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
   gemm_->set_autotune(opt_.gemm_autotune);  // time GEMM candidates for the decode shapes (dummy data)
   for (int b : sizes) {
     const StepMeta m = graph_meta(b, KernelChoice{});
@@ -121,6 +120,16 @@ void Engine::capture_graphs() {
   }
   gemm_->set_autotune(false);
   OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+}
+
+void Engine::alloc_arena(size_t bytes) {
+  for (int i = 0; i < 2; ++i) {
+    OI_CUDA_CHECK(cudaMallocHost(&graph_host_[i], bytes));
+    for (cudaEvent_t& e : graph_ev_[i]) OI_CUDA_CHECK(cudaEventCreate(&e));
+  }
+  graph_dev_ = static_cast<char*>(alloc(bytes, &act_bytes_));
 }
 
 // Decode-only steps (one token per sequence, no logprobs or logits asked) run padded to the smallest
@@ -217,6 +226,273 @@ StepResult Engine::finish_graph(const Pending& p) {
   out.vocab = d_.vocab;
   out.logit_rows = out.logits.empty() ? 0 : p.B;
   return out;
+}
+
+
+// ---- verify rounds (an engine with a drafter) ----
+//
+// A round of the scheduler's steady state is one step of B sequences x span tokens [anchor, d1..dk]
+// (span = num_drafts + 1), every row sampled, every sequence drafting its next round: the verify forward
+// (writing the drafter's context features), count_accepted, then the drafter's context and block passes.
+// Padded to a bucket, everything the eager step decides on the host is fixed per bucket: the attention
+// items (each sequence's span in the same items), the split counts (sized for the longest context, as the
+// decode graphs do: a short context uses the splits it fills and the rest exit at once), the sampled rows
+// (all: sample_idx = 0..T-1), each sequence's first row (b x span) and the drafter's one block pass (buckets
+// up to DrafterState::chunk). The anchors, positions and accepted counts the drafter needs are read on the
+// device (draft_inputs). Padding sequences sit at positions 0..span-1 of the reserved block 0 with slot -1:
+// they write no K/V in either pool (their draft block's slots are -1 too: draft_inputs maps block 0 to -1)
+// and read zeros; their tokens and drafts are dropped.
+
+std::vector<int> Engine::verify_graph_batches() const {
+  std::vector<int> out;
+  for (const auto& g : vgraphs_) out.push_back(g.batch);
+  return out;
+}
+
+StepMeta Engine::verify_meta(int batch, const KernelChoice& k) const {
+  StepMeta m{};
+  m.B = batch;
+  m.T = m.S = batch * verify_span_;
+  m.bt_stride = verify_bt_stride_;
+  m.num_work = batch * verify_items_;
+  m.max_rows = verify_max_rows_;
+  m.num_splits = attn_num_splits(m.num_work, d_.kv_heads, opt_.max_model_len, m.T, num_sms_, max_split_rows_,
+                                 m.max_rows, k.attention);
+  m.gemm_path = GemmPath::kLibrary;
+  if (opt_.deterministic) {  // the eager verify's kernels: each row's bits are the plain decode's
+    m.num_splits = attn_segment_splits(m.num_work, d_.kv_heads, opt_.max_model_len, m.T, num_sms_, max_split_rows_);
+    m.attn_segment = kAttnSegment;
+    m.gemm_path = GemmPath::kInvariant;
+  }
+  m.attention = k.attention;
+  m.gemv = k.gemv;
+  char* d = graph_dev_;
+  m.ids = (const int32_t*)(d + va_.ids);
+  m.positions = (const int32_t*)(d + va_.pos);
+  m.slots = (const int32_t*)(d + va_.slots);
+  m.context_lens = (const int32_t*)(d + va_.ctx);
+  m.block_tables = (const int32_t*)(d + va_.bt);
+  m.sample_idx = dr_->iota;      // every row samples
+  m.sample_pos = m.positions;    // so a row's position is its token's
+  m.top_k = (const int32_t*)(d + va_.topk);
+  m.temperature = (const float*)(d + va_.temp);
+  m.top_p = (const float*)(d + va_.topp);
+  m.seeds = (const uint64_t*)(d + va_.seeds);
+  m.work = (const AttnWork*)(d + va_.work);
+  m.seq_rows = (const int32_t*)(d + va_.seq_rows);
+  m.out_tokens = (int32_t*)(d + va_.tokens);
+  m.out_logprobs = (float*)(d + va_.logprobs);
+  m.out_accepted = (int32_t*)(d + va_.accepted);
+  m.ctx_slot = dr_->ctx_slot.data();
+  m.num_ctx_taps = (int)dr_->dims.taps.size();
+  m.ctx_rows = dr_->iota;
+  m.ctx_feats = dr_->feats;
+  return m;
+}
+
+// Every sequence of the bucket drafts, from its first sampled row (the drafter adds the accepted count).
+Engine::DraftStage Engine::verify_draft_stage(int batch) const {
+  DraftStage ds;
+  ds.num_seqs = batch;
+  ds.seqs = dr_->iota;
+  ds.rows = (const int32_t*)(graph_dev_ + va_.seq_rows);
+  ds.work = (const AttnWork*)(graph_dev_ + va_.draft_work);
+  ds.work_start = {0, batch * verify_draft_items_};
+  ds.max_ctx = {opt_.max_model_len + dr_->dims.block_size};  // one split count for every context, as above
+  return ds;
+}
+
+void Engine::pad_verify_rows(char* h, int b0, int b1) const {
+  const int span = verify_span_, W = verify_bt_stride_;
+  // the columns a padding sequence reads: its keys (< span) and its draft block's (< span + block)
+  const int cols = std::min(W, (span + dr_->dims.block_size + opt_.kv_block_size - 1) / opt_.kv_block_size);
+  auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
+  for (int t = b0 * span; t < b1 * span; ++t) {
+    i32(va_.ids)[t] = 0; i32(va_.pos)[t] = t % span; i32(va_.slots)[t] = -1; i32(va_.topk)[t] = 0;
+    reinterpret_cast<float*>(h + va_.temp)[t] = 0.f;
+    reinterpret_cast<float*>(h + va_.topp)[t] = 1.f;
+    reinterpret_cast<uint64_t*>(h + va_.seeds)[t] = 0;
+  }
+  for (int b = b0; b < b1; ++b) {
+    i32(va_.ctx)[b] = span;
+    std::memset(h + va_.bt + (size_t)b * W * 4, 0, (size_t)cols * 4);
+  }
+}
+
+void Engine::capture_verify_graphs() {
+  const DrafterDims& dd = dr_->dims;
+  const int span = dd.num_drafts + 1, bsz = dd.block_size, group = d_.heads / d_.kv_heads;
+  // The decode buckets whose verify fits a step and whose drafting is one block pass.
+  std::vector<int> sizes;
+  for (int b : graph_batch_sizes(opt_.max_num_seqs))
+    if (b <= dr_->chunk && b * span <= opt_.max_num_batched_tokens && b * span <= opt_.max_sampled_rows)
+      sizes.push_back(b);
+  if (sizes.empty() || span + bsz > opt_.max_model_len) return;  // every round eager
+  const int Bmax = sizes.back(), T = Bmax * span;
+  verify_span_ = span;
+  verify_bt_stride_ = (opt_.max_model_len + bsz + opt_.kv_block_size - 1) / opt_.kv_block_size;
+  // Attention items of the largest bucket; a smaller bucket's are its first ones (sequence order).
+  std::vector<int32_t> qsl(Bmax + 1), seq_rows(Bmax + 1);
+  for (int b = 0; b <= Bmax; ++b) qsl[b] = seq_rows[b] = b * span;
+  const std::vector<AttnWork> work = attention_work(qsl.data(), Bmax, group, &verify_max_rows_);
+  verify_items_ = (int)work.size() / Bmax;
+  const int qt = attn_tokens_per_item(group);
+  std::vector<AttnWork> dwork;  // the block pass's items, as stage_draft makes them (sequence d drafts in rows d x block..)
+  for (int d = 0; d < Bmax; ++d)
+    for (int t0 = 0; t0 < bsz; t0 += qt) dwork.push_back(AttnWork{d, d * bsz + t0, std::min(qt, bsz - t0), 0});
+  verify_draft_items_ = (int)dwork.size() / Bmax;
+
+  // Per-step inputs first (bt last: a step copies one prefix), then the outputs, then constants.
+  const int W = verify_bt_stride_;
+  size_t off = 0;
+  auto field = [&](size_t bytes) { const size_t o = off; off = align_up(off + bytes); return o; };
+  VerifyArena& a = va_;
+  a.ids = field(T * 4); a.pos = field(T * 4); a.slots = field(T * 4); a.topk = field(T * 4); a.temp = field(T * 4);
+  a.topp = field(T * 4); a.seeds = field(T * 8); a.ctx = field(Bmax * 4); a.bt = field((size_t)Bmax * W * 4);
+  // after the copied prefix: the next launch's copy must not clobber the tokens its feed may read
+  a.tokens = field(T * 4); a.logprobs = field(T * 4); a.accepted = field(Bmax * 4);
+  a.drafts = field((size_t)Bmax * dd.num_drafts * 4);
+  a.seq_rows = field((Bmax + 1) * 4); a.work = field(work.size() * sizeof(AttnWork));
+  a.draft_work = field(dwork.size() * sizeof(AttnWork));
+  a.bytes = off;
+  alloc_arena(a.bytes);
+  char* h0 = graph_host_[0];
+  std::memset(h0, 0, a.bytes);
+  pad_verify_rows(h0, 0, Bmax);  // capture over padding only: nothing real is touched
+  std::memcpy(h0 + a.seq_rows, seq_rows.data(), seq_rows.size() * 4);
+  std::memcpy(h0 + a.work, work.data(), work.size() * sizeof(AttnWork));
+  std::memcpy(h0 + a.draft_work, dwork.data(), dwork.size() * sizeof(AttnWork));
+  OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, a.bytes, cudaMemcpyHostToDevice));  // the constants stay on the device
+
+  int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + a.drafts);
+  cudaEvent_t split = graph_ev_[0][3];  // each replay records its own slot's (launch_verify_graph)
+  size_t free0 = 0, free1 = 0, total = 0;
+  OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+  gemm_->set_autotune(opt_.gemm_autotune);  // time GEMM candidates for the verify and draft shapes (dummy data)
+  for (int b : sizes) {
+    const StepMeta m = verify_meta(b, KernelChoice{});
+    const DraftStage ds = verify_draft_stage(b);
+    // warm-up: plans made here
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+    run_drafter(m, ds, drafts, KernelChoice{}.attention);
+    OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    VerifyGraph vg;
+    vg.batch = b;
+    if (opt_.cuda_graph) {  // else the same bucketed kernels run eagerly: identical outputs either way
+      OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+      // an event record node (a plain record in a capture is only an ordering): the drafter's device time
+      OI_CUDA_CHECK(cudaEventRecordWithFlags(split, stream_, cudaEventRecordExternal));
+      run_drafter(m, ds, drafts, KernelChoice{}.attention);
+      OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &vg.graph));
+      size_t n = 0;
+      OI_CUDA_CHECK(cudaGraphGetNodes(vg.graph, nullptr, &n));
+      std::vector<cudaGraphNode_t> nodes(n);
+      OI_CUDA_CHECK(cudaGraphGetNodes(vg.graph, nodes.data(), &n));
+      for (cudaGraphNode_t node : nodes) {
+        cudaGraphNodeType type;
+        OI_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+        if (type != cudaGraphNodeTypeEventRecord) continue;
+        OI_CHECK(!vg.split, "verify graph " << b << ": more than one event record node");
+        vg.split = node;
+      }
+      OI_CHECK(vg.split, "verify graph " << b << ": no event record node");
+      OI_CUDA_CHECK(cudaGraphInstantiate(&vg.exec, vg.graph, 0));
+    }
+    vgraphs_.push_back(vg);
+  }
+  gemm_->set_autotune(false);
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+}
+
+// A verify round of the drafter's span for every sequence, each drafting (the scheduler's steady state),
+// without logprobs, logits, taps or fed rows: padded to the smallest bucket that holds it and replayed
+// (or, with cuda_graph off or force_eager, the same kernels launched eagerly). Queued through the arena
+// images as decode steps are; finish_verify_graph() waits for it.
+bool Engine::launch_verify_graph(const StepInput& in) {
+  const int B = in.B(), span = verify_span_, T = B * span;
+  if (vgraphs_.empty() || !in.verify || in.n_draft != B || in.T() != T || in.S() != T || in.num_logprobs != 0 ||
+      in.return_logits || in.n_tap_layers > 0 || in.kv_load_wait || in.prev_rows)
+    return false;
+  const VerifyGraph* g = nullptr;
+  for (const auto& c : vgraphs_)
+    if (c.batch >= B) { g = &c; break; }
+  if (!g) return false;
+  for (int b = 0; b < B; ++b)
+    if (in.draft[b] != 1 || in.query_start_loc[b] != b * span) return false;
+  for (int r = 0; r < T; ++r)
+    if (in.sample_idx[r] != r) return false;
+  const int Bg = g->batch, slot = graph_slot_, W = verify_bt_stride_;
+  for (const Pending& p : pending_)
+    OI_CHECK(!p.graph || p.slot != slot, "graph arena image " << slot << " is still in flight");
+  char* h = graph_host_[slot];
+  std::memcpy(h + va_.ids, in.input_ids, T * 4);
+  std::memcpy(h + va_.pos, in.positions, T * 4);
+  std::memcpy(h + va_.slots, in.slot_mapping, T * 4);
+  std::memcpy(h + va_.topk, in.top_k, T * 4);
+  std::memcpy(h + va_.temp, in.temperature, T * 4);
+  std::memcpy(h + va_.topp, in.top_p, T * 4);
+  std::memcpy(h + va_.seeds, in.seeds, T * 8);
+  std::memcpy(h + va_.ctx, in.context_lens, B * 4);
+  const int nb_cols = std::min(in.bt_stride, W);  // a drafting sequence's table covers its draft block (plan.cu)
+  for (int b = 0; b < B; ++b)
+    std::memcpy(h + va_.bt + (size_t)b * W * 4, in.block_tables + (size_t)b * in.bt_stride, nb_cols * 4);
+  pad_verify_rows(h, B, Bg);
+  cudaEvent_t* ev = graph_ev_[slot];
+  int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + va_.drafts);
+  OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, va_.bt + (size_t)Bg * W * 4, cudaMemcpyHostToDevice, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
+  if (g->exec && !in.force_eager) {
+    OI_CUDA_CHECK(cudaGraphExecEventRecordNodeSetEvent(g->exec, g->split, ev[3]));  // later launches only
+    OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
+    ++graph_steps_;
+  } else {
+    const StepMeta m = verify_meta(Bg, eager_kernels_);
+    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+    OI_CUDA_CHECK(cudaEventRecord(ev[3], stream_));
+    run_drafter(m, verify_draft_stage(Bg), drafts, eager_kernels_.attention);
+  }
+  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(h + va_.tokens, graph_dev_ + va_.tokens, va_.seq_rows - va_.tokens,
+                                cudaMemcpyDeviceToHost, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
+  Pending p;
+  p.graph = p.verify = p.drafter = true;
+  p.slot = slot;
+  p.B = B;
+  p.S = T;
+  p.bucket = Bg;
+  pending_.push_back(std::move(p));
+  last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + va_.tokens);
+  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
+  return true;
+}
+
+StepResult Engine::finish_verify_graph(const Pending& p) {
+  cudaEvent_t* ev = graph_ev_[p.slot];
+  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+  StepResult r;
+  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev[0], ev[1]));
+  OI_CUDA_CHECK(cudaEventElapsedTime(&r.draft_ms, ev[3], ev[1]));
+  const char* h = graph_host_[p.slot];
+  const int32_t* tok = reinterpret_cast<const int32_t*>(h + va_.tokens);
+  const float* lp = reinterpret_cast<const float*>(h + va_.logprobs);
+  const int32_t* acc = reinterpret_cast<const int32_t*>(h + va_.accepted);
+  const int32_t* dr = reinterpret_cast<const int32_t*>(h + va_.drafts);
+  r.tokens.assign(tok, tok + p.S);
+  r.logprobs.assign(lp, lp + p.S);
+  r.accepted.assign(acc, acc + p.B);
+  const int nd = dr_->dims.num_drafts;
+  r.drafts.resize((size_t)p.B * nd);
+  for (int b = 0; b < p.B; ++b)  // the block pass's draft rows are slot-major over the bucket: j x bucket + b
+    for (int j = 0; j < nd; ++j) r.drafts[(size_t)b * nd + j] = dr[(size_t)j * p.bucket + b];
+  r.S = p.S;
+  r.accepted_rows = r.draft_rows = p.B;
+  r.num_drafts = nd;
+  r.vocab = d_.vocab;
+  return r;
 }
 
 }  // namespace oi

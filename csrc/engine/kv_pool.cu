@@ -15,8 +15,9 @@ int64_t Engine::finalize() {
   allocate_kv();
   finalized_ = true;
   // decode buckets always (the graphs themselves only when cuda_graph is on); none with a drafter, whose
-  // context every step writes
-  if (!dr_) capture_graphs();
+  // context every step writes: verify buckets then
+  if (dr_) capture_verify_graphs();
+  else capture_graphs();
   return num_blocks_;
 }
 

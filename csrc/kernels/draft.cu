@@ -19,7 +19,8 @@ __global__ void draft_inputs_kernel(DraftInputs a) {
     a.ids[t] = i == 0 ? anchor : a.mask_token;
     a.positions[t] = pos;
     a.mask_pos[t] = p + a.block - 1;  // every row sees the whole block: no causal mask inside it
-    a.slots[t] = bt[pos / a.page] * a.page + pos % a.page;
+    const int blk = bt[pos / a.page];
+    a.slots[t] = blk > 0 ? blk * a.page + pos % a.page : -1;  // block 0: a verify bucket's padding, writes nothing
   }
   for (int j = threadIdx.x; j < a.num_drafts; j += blockDim.x) {
     const int r = j * a.D + d;

@@ -126,9 +126,13 @@ class CudaBackend:
         if self.num_host_blocks:
             log.info("host KV tier: %d blocks = %.2f GiB of pinned memory", self.num_host_blocks,
                      self.num_host_blocks * self.eng.kv_block_bytes / gib)
-        if c.cuda_graph:
-            log.info("CUDA graphs captured for decode batch sizes %s (%.1f s with the KV pool)", self.eng.graph_batches,
-                     time.perf_counter() - t1)
+        if c.cuda_graph and self.eng.has_drafter:
+            log.info("CUDA graphs captured for verify rounds of %d tokens a sequence, batch sizes %s (%.1f s with the "
+                     "KV pool, %.1f MiB of device memory)", c.drafter_config.num_drafts + 1,
+                     self.eng.verify_graph_batches, time.perf_counter() - t1, self.eng.graph_bytes / (1 << 20))
+        elif c.cuda_graph:
+            log.info("CUDA graphs captured for decode batch sizes %s (%.1f s with the KV pool, %.1f MiB of device "
+                     "memory)", self.eng.graph_batches, time.perf_counter() - t1, self.eng.graph_bytes / (1 << 20))
         self.last_gpu_ms = 0.0
 
     def _load_drafter(self, c: EngineConfig) -> None:

@@ -60,7 +60,7 @@ class StepInput:
     # after it in one launch), so layer l waits for layer l of every loaded block; the loads then go layer
     # group by layer group, the forward trailing the link. Whatever else the step holds waits with it.
     kv_load_wait: bool = False
-    force_eager: bool = False    # tests: a decode bucket without its CUDA graph
+    force_eager: bool = False    # tests: a decode or verify bucket without its CUDA graph (the same kernels)
 
     @property
     def num_tokens(self) -> int:
