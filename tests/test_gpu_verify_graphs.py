@@ -21,7 +21,7 @@ from openinfer.step import StepInput
 
 pytestmark = requires_gpu
 
-BLOCKS = 24  # KV blocks per test sequence: prompt (< 100) + rounds + a draft block, all under 384 positions
+BLOCKS = 32  # KV blocks per test sequence: prompt (< 100) + rounds + a draft block, all under 512 positions
 
 
 def _target_dir(tmp: Path, preset: str) -> Path:
@@ -44,7 +44,7 @@ def _engine(tmp: Path, target: str, drafter: str, **kw):
     from openinfer.tools.random_checkpoint import drafter_config
 
     d = write_random_drafter(tmp / drafter, drafter_config(drafter), seed=4)
-    kw = dict(device="cuda", draft_model_path=str(d), max_model_len=2048, num_kv_blocks=512, max_num_seqs=24, **kw)
+    kw = dict(device="cuda", draft_model_path=str(d), max_model_len=2048, num_kv_blocks=1024, max_num_seqs=24, **kw)
     if target != "tiny":
         kw["load_format"] = "random"
     return openinfer.Engine(str(_target_dir(tmp, target)), **kw)
