@@ -248,7 +248,7 @@ class EngineConfig:
     draft_model_path: str | None = option(
         None, "DFlash or DSpark drafter directory: speculative decoding, lossless at any temperature",
         flag="--dflash-draft-model-path")
-    cuda_graph: bool = option(True, "replay decode steps from captured CUDA graphs")
+    cuda_graph: bool = option(True, "replay decode steps (with a drafter: verify rounds) from captured CUDA graphs")
     pdl: bool = option(True, "programmatic dependent launch: a kernel streams its weights while the previous one "
                        "ends (sm_90+)")
     # Timing picks can differ between starts and so change the outputs' last bits; false keeps the
