@@ -58,9 +58,7 @@ void Engine::release() noexcept {
     if (stage_[i]) cudaFreeHost(stage_[i]);
     if (stage_ev_[i]) cudaEventDestroy(stage_ev_[i]);
   }
-  for (auto& g : graphs_)
-    if (g.exec) cudaGraphExecDestroy(g.exec);
-  for (auto& g : vgraphs_) {
+  for (auto& g : graphs_) {
     if (g.exec) cudaGraphExecDestroy(g.exec);
     if (g.graph) cudaGraphDestroy(g.graph);
   }

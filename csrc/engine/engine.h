@@ -10,6 +10,7 @@
 #pragma once
 #include <algorithm>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -81,9 +82,8 @@ class Engine {
   int64_t weight_bytes() const { return weight_bytes_; }
   int64_t activation_bytes() const { return act_bytes_; }
   int num_sms() const { return num_sms_; }
-  std::vector<int> graph_batches() const;
+  std::vector<int> graph_batches(bool verify = false) const;  // the decode buckets, or the verify ones
   int64_t graph_steps() const { return graph_steps_; }  // graph replays so far, decode and verify
-  std::vector<int> verify_graph_batches() const;
   int64_t graph_bytes() const { return graph_bytes_; }  // device memory the captured graphs took (cudaMemGetInfo)
   // PDL for later eager launches (captured graphs keep their edges): tests compare the two launch modes.
   bool pdl() const { return pdl_; }
@@ -148,24 +148,29 @@ class Engine {
   // graphs.cu
   struct Graph {
     int batch = 0;
-    cudaGraphExec_t exec = nullptr;  // null when cuda_graph is off
+    cudaGraphExec_t exec = nullptr;   // null when cuda_graph is off
+    cudaGraph_t graph = nullptr;      // verify graphs: kept for the node handle below
+    cudaGraphNode_t split = nullptr;  // verify graphs: the event record node between the target's part and the drafter's
   };
   struct GraphArena {
     size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, prev, bt, tokens, logprobs, bytes;
   };
+  // The bucket machinery both kinds share: the pinned images, their events and the device arena; each bucket's
+  // warm-up run (GEMM plans and tensor maps are made outside capture) and capture; the smallest bucket that holds
+  // B sequences; queueing a step through the current image; waiting for one.
+  void alloc_arena(size_t bytes);
+  void capture_buckets(const std::vector<int>& sizes, const std::function<void(int batch)>& body, bool split);
+  const Graph* bucket(int B) const;
+  char* arena_image() const;
+  void replay(const Graph& g, bool force_eager, const std::function<void()>& eager);
+  void queue_graph_step(Pending p, const int32_t* dev_tokens);
+  const char* wait_graph_step(const Pending& p, StepResult& r) const;
   void capture_graphs();
   StepMeta graph_meta(int batch, const KernelChoice& k) const;
   bool launch_graph(const StepInput& in);  // queues a decode bucket step; false when the step is not one
   StepResult finish_graph(const Pending& p);
-  void alloc_arena(size_t bytes);  // the pinned images, their events and the device arena (one kind of graph)
   // Verify rounds (an engine with a drafter): per bucket, the verify forward over [anchor, d1..dk] of every
   // sequence (k = the drafter's num_drafts) and the drafter's pass after it, in one graph.
-  struct VerifyGraph {
-    int batch = 0;
-    cudaGraph_t graph = nullptr;      // kept for its node handle below
-    cudaGraphExec_t exec = nullptr;   // null when cuda_graph is off
-    cudaGraphNode_t split = nullptr;  // event record node between the target's part and the drafter's (draft_ms)
-  };
   struct VerifyArena {
     size_t ids, pos, slots, topk, temp, topp, seeds, ctx, bt, tokens, logprobs, accepted, drafts, seq_rows, work,
         draft_work, bytes;
@@ -203,7 +208,7 @@ class Engine {
   bool finalized_ = false;
   bool pdl_capable_ = false;  // sm_90+
   bool pdl_ = false;          // programmatic dependent launch (options, and capable)
-  std::vector<Graph> graphs_;  // ascending batch
+  std::vector<Graph> graphs_;  // ascending batch: decode buckets, or verify buckets in an engine with a drafter
   GraphArena ga_{};
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
   // per slot: start, end of the forward, outputs on the host, end of the target's part (verify graphs)
@@ -215,10 +220,7 @@ class Engine {
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
   int64_t graph_steps_ = 0, graph_bytes_ = 0;
-  // An engine has decode graphs (no drafter) or verify graphs (a drafter), never both: they share the arena
-  // images, events and slot above.
-  std::vector<VerifyGraph> vgraphs_;  // ascending batch
-  VerifyArena va_{};
+  VerifyArena va_{};  // the arena's layout in an engine with a drafter (ga_ without one)
   int verify_span_ = 0, verify_bt_stride_ = 0, verify_items_ = 0, verify_max_rows_ = 0, verify_draft_items_ = 0;
   char* stage_[2] = {nullptr, nullptr};  // pinned upload stages (weights only; freed by finalize)
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};

@@ -20,9 +20,10 @@ std::vector<int> graph_batch_sizes(int max_num_seqs) {
   return out;
 }
 
-std::vector<int> Engine::graph_batches() const {
+std::vector<int> Engine::graph_batches(bool verify) const {
   std::vector<int> out;
-  for (const auto& g : graphs_) out.push_back(g.batch);
+  if (verify == (dr_ != nullptr))
+    for (const auto& g : graphs_) out.push_back(g.batch);
   return out;
 }
 
@@ -97,31 +98,9 @@ void Engine::capture_graphs() {
   }
   std::memcpy(graph_host_[1], h0, ga_.bytes);  // the constant fields (sample_idx, work) live in both images
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, ga_.bytes, cudaMemcpyHostToDevice));
-  size_t free0 = 0, free1 = 0, total = 0;
-  OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-  gemm_->set_autotune(opt_.gemm_autotune);  // time GEMM candidates for the decode shapes (dummy data)
-  for (int b : sizes) {
-    const StepMeta m = graph_meta(b, KernelChoice{});
-    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);  // warm-up: plans made here
-    OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    Graph gr;
-    gr.batch = b;
-    if (!opt_.cuda_graph) {  // eager decode still runs the bucketed shapes: identical outputs either way
-      graphs_.push_back(gr);
-      continue;
-    }
-    cudaGraph_t g = nullptr;
-    OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-    OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-    OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
-    OI_CUDA_CHECK(cudaGraphDestroy(g));
-    graphs_.push_back(gr);
-  }
-  gemm_->set_autotune(false);
-  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
-  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+  capture_buckets(sizes, [&](int b) {
+    qwen3_forward(d_, w_, act_, graph_meta(b, KernelChoice{}), rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+  }, false);
 }
 
 void Engine::alloc_arena(size_t bytes) {
@@ -132,6 +111,98 @@ void Engine::alloc_arena(size_t bytes) {
   graph_dev_ = static_cast<char*>(alloc(bytes, &act_bytes_));
 }
 
+// Per bucket: one warm-up run (GEMM plans, autotuned on the dummy rows, and tensor maps are made here, outside
+// capture), then the capture. split: body records graph_ev_[0][3] once with cudaEventRecordExternal, and the
+// graph keeps that record node, which each replay points at its own image's event (draft_ms).
+void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<void(int)>& body, bool split) {
+  size_t free0 = 0, free1 = 0, total = 0;
+  OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
+  gemm_->set_autotune(opt_.gemm_autotune);
+  for (int b : sizes) {
+    body(b);
+    OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    Graph gr;
+    gr.batch = b;
+    if (opt_.cuda_graph) {  // else the same bucketed kernels run eagerly: identical outputs either way
+      cudaGraph_t g = nullptr;
+      OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      body(b);
+      OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
+      OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
+      if (split) {
+        size_t n = 0;
+        OI_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &n));
+        std::vector<cudaGraphNode_t> nodes(n);
+        OI_CUDA_CHECK(cudaGraphGetNodes(g, nodes.data(), &n));
+        for (cudaGraphNode_t node : nodes) {
+          cudaGraphNodeType type;
+          OI_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
+          if (type != cudaGraphNodeTypeEventRecord) continue;
+          OI_CHECK(!gr.split, "graph " << b << ": more than one event record node");
+          gr.split = node;
+        }
+        OI_CHECK(gr.split, "graph " << b << ": no event record node");
+        gr.graph = g;
+      } else {
+        OI_CUDA_CHECK(cudaGraphDestroy(g));
+      }
+    }
+    graphs_.push_back(gr);
+  }
+  gemm_->set_autotune(false);
+  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
+  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+}
+
+const Engine::Graph* Engine::bucket(int B) const {
+  for (const auto& g : graphs_)
+    if (g.batch >= B) return &g;
+  return nullptr;
+}
+
+// The host image the next launch stages its inputs in (the two alternate, so one can be staged while the
+// other's step runs).
+char* Engine::arena_image() const {
+  for (const Pending& p : pending_)
+    OI_CHECK(!p.graph || p.slot != graph_slot_, "graph arena image " << graph_slot_ << " is still in flight");
+  return graph_host_[graph_slot_];
+}
+
+// The bucket's graph (its image's inputs already copied and ev[0] recorded), or, with cuda_graph off or
+// force_eager, the same kernels launched eagerly; then ev[1].
+void Engine::replay(const Graph& g, bool force_eager, const std::function<void()>& eager) {
+  cudaEvent_t* ev = graph_ev_[graph_slot_];
+  if (g.exec && !force_eager) {
+    if (g.split) OI_CUDA_CHECK(cudaGraphExecEventRecordNodeSetEvent(g.exec, g.split, ev[3]));  // later launches only
+    OI_CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
+    ++graph_steps_;
+  } else {
+    eager();
+  }
+  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+}
+
+// After the outputs' copies to the image: ev[2], and the step joins the queue.
+void Engine::queue_graph_step(Pending p, const int32_t* dev_tokens) {
+  OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][2], stream_));
+  p.graph = true;
+  p.slot = graph_slot_;
+  pending_.push_back(std::move(p));
+  last_tokens_ = dev_tokens;
+  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
+}
+
+// Waits for a queued bucket step; its device time into r, and its image's outputs.
+const char* Engine::wait_graph_step(const Pending& p, StepResult& r) const {
+  const cudaEvent_t* ev = graph_ev_[p.slot];
+  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
+  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev[0], ev[1]));
+  if (p.verify) OI_CUDA_CHECK(cudaEventElapsedTime(&r.draft_ms, ev[3], ev[1]));
+  r.vocab = d_.vocab;
+  return graph_host_[p.slot];
+}
+
 // Decode-only steps (one token per sequence, no logprobs or logits asked) run padded to the smallest
 // bucket that holds the batch, replaying its graph (or, with cuda_graph off or force_eager, the same
 // kernels launched eagerly: identical results). Padding rows read the reserved block 0 and write nothing.
@@ -140,19 +211,15 @@ void Engine::alloc_arena(size_t bytes) {
 bool Engine::launch_graph(const StepInput& in) {
   // Logits only eagerly (tests compare a bucket's kernels through them; a graph has no copy for them).
   const int B = in.B();
-  if (graphs_.empty() || in.T() != B || in.S() != B || in.num_logprobs != 0 || (in.return_logits && !in.force_eager) ||
+  if (dr_ || graphs_.empty() || in.T() != B || in.S() != B || in.num_logprobs != 0 || (in.return_logits && !in.force_eager) ||
       in.verify || in.n_tap_layers > 0 || in.kv_load_wait)  // a graph has no per-layer waits
     return false;
-  const Graph* g = nullptr;
-  for (const auto& c : graphs_)
-    if (c.batch >= B) { g = &c; break; }
+  const Graph* g = bucket(B);
   if (!g) return false;
   for (int b = 0; b < B; ++b)
     if (in.query_start_loc[b] != b || in.sample_idx[b] != b) return false;
-  const int Bg = g->batch, slot = graph_slot_;
-  for (const Pending& p : pending_)
-    OI_CHECK(!p.graph || p.slot != slot, "graph arena image " << slot << " is still in flight");
-  char* h = graph_host_[slot];
+  const int Bg = g->batch;
+  char* h = arena_image();
   auto i32 = [&](size_t o) { return reinterpret_cast<int32_t*>(h + o); };
   std::memcpy(h + ga_.ids, in.input_ids, B * 4);
   std::memcpy(h + ga_.pos, in.positions, B * 4);
@@ -178,52 +245,37 @@ bool Engine::launch_graph(const StepInput& in) {
     if (b < B) std::memcpy(row, in.block_tables + (size_t)b * in.bt_stride, nb_cols * 4);  // only ctx's blocks are read
     else row[0] = 0;
   }
-  const size_t bytes = ga_.bt + (size_t)Bg * W * 4;
-  cudaEvent_t* ev = graph_ev_[slot];
-  OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, bytes, cudaMemcpyHostToDevice, stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
+  OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, ga_.bt + (size_t)Bg * W * 4, cudaMemcpyHostToDevice, stream_));
+  OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][0], stream_));
   if (in.prev_rows)  // the previous step's tokens are still in its output field (stream order)
     feed_tokens(reinterpret_cast<int32_t*>(graph_dev_ + ga_.ids), reinterpret_cast<const int32_t*>(graph_dev_ + ga_.prev),
                 last_tokens_, Bg, stream_);
-  if (g->exec && !in.force_eager) {
-    OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
-    ++graph_steps_;
-  } else {
+  replay(*g, in.force_eager, [&] {
     StepMeta m = graph_meta(Bg, eager_kernels_);
     m.trace = m.persistent && trace_on_ ? trace_ : nullptr;
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-  }
-  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  });
   OI_CUDA_CHECK(cudaMemcpyAsync(h + ga_.tokens, graph_dev_ + ga_.tokens, ga_.bytes - ga_.tokens, cudaMemcpyDeviceToHost,
                                 stream_));
   Pending p;
-  p.graph = true;
-  p.slot = slot;
   p.B = p.S = B;
   if (in.return_logits) {
     p.logits.resize((size_t)B * d_.vocab);
     OI_CUDA_CHECK(cudaMemcpyAsync(p.logits.data(), act_.logits, p.logits.size() * 4, cudaMemcpyDeviceToHost, stream_));
   }
-  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
-  pending_.push_back(std::move(p));
-  last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens);
-  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
+  queue_graph_step(std::move(p), reinterpret_cast<const int32_t*>(graph_dev_ + ga_.tokens));
   return true;
 }
 
 StepResult Engine::finish_graph(const Pending& p) {
-  cudaEvent_t* ev = graph_ev_[p.slot];
-  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
   StepResult out;
-  OI_CUDA_CHECK(cudaEventElapsedTime(&out.gpu_ms, ev[0], ev[1]));
-  const char* h = graph_host_[p.slot];
+  const char* h = wait_graph_step(p, out);
   const int32_t* tok = reinterpret_cast<const int32_t*>(h + ga_.tokens);
   out.tokens.assign(tok, tok + p.B);
   const float* lp = reinterpret_cast<const float*>(h + ga_.logprobs);
   out.logprobs.assign(lp, lp + p.B);
   out.S = p.B;
   out.logits = p.logits;
-  out.vocab = d_.vocab;
   out.logit_rows = out.logits.empty() ? 0 : p.B;
   return out;
 }
@@ -242,12 +294,6 @@ StepResult Engine::finish_graph(const Pending& p) {
 // device (draft_inputs). Padding sequences sit at positions 0..span-1 of the reserved block 0 with slot -1:
 // they write no K/V in either pool (their draft block's slots are -1 too: draft_inputs maps block 0 to -1)
 // and read zeros; their tokens and drafts are dropped.
-
-std::vector<int> Engine::verify_graph_batches() const {
-  std::vector<int> out;
-  for (const auto& g : vgraphs_) out.push_back(g.batch);
-  return out;
-}
 
 StepMeta Engine::verify_meta(int batch, const KernelChoice& k) const {
   StepMeta m{};
@@ -365,46 +411,13 @@ void Engine::capture_verify_graphs() {
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, a.bytes, cudaMemcpyHostToDevice));  // the constants stay on the device
 
   int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + a.drafts);
-  cudaEvent_t split = graph_ev_[0][3];  // each replay records its own slot's (launch_verify_graph)
-  size_t free0 = 0, free1 = 0, total = 0;
-  OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
-  gemm_->set_autotune(opt_.gemm_autotune);  // time GEMM candidates for the verify and draft shapes (dummy data)
-  for (int b : sizes) {
+  capture_buckets(sizes, [&](int b) {
     const StepMeta m = verify_meta(b, KernelChoice{});
-    const DraftStage ds = verify_draft_stage(b);
-    // warm-up: plans made here
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-    run_drafter(m, ds, drafts, KernelChoice{}.attention);
-    OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    VerifyGraph vg;
-    vg.batch = b;
-    if (opt_.cuda_graph) {  // else the same bucketed kernels run eagerly: identical outputs either way
-      OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-      // an event record node (a plain record in a capture is only an ordering): the drafter's device time
-      OI_CUDA_CHECK(cudaEventRecordWithFlags(split, stream_, cudaEventRecordExternal));
-      run_drafter(m, ds, drafts, KernelChoice{}.attention);
-      OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &vg.graph));
-      size_t n = 0;
-      OI_CUDA_CHECK(cudaGraphGetNodes(vg.graph, nullptr, &n));
-      std::vector<cudaGraphNode_t> nodes(n);
-      OI_CUDA_CHECK(cudaGraphGetNodes(vg.graph, nodes.data(), &n));
-      for (cudaGraphNode_t node : nodes) {
-        cudaGraphNodeType type;
-        OI_CUDA_CHECK(cudaGraphNodeGetType(node, &type));
-        if (type != cudaGraphNodeTypeEventRecord) continue;
-        OI_CHECK(!vg.split, "verify graph " << b << ": more than one event record node");
-        vg.split = node;
-      }
-      OI_CHECK(vg.split, "verify graph " << b << ": no event record node");
-      OI_CUDA_CHECK(cudaGraphInstantiate(&vg.exec, vg.graph, 0));
-    }
-    vgraphs_.push_back(vg);
-  }
-  gemm_->set_autotune(false);
-  OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
-  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+    // an event record node (a plain record in a capture is only an ordering): the drafter's device time
+    OI_CUDA_CHECK(cudaEventRecordWithFlags(graph_ev_[0][3], stream_, cudaEventRecordExternal));
+    run_drafter(m, verify_draft_stage(b), drafts, KernelChoice{}.attention);
+  }, true);
 }
 
 // A verify round of the drafter's span for every sequence, each drafting (the scheduler's steady state),
@@ -413,21 +426,17 @@ void Engine::capture_verify_graphs() {
 // images as decode steps are; finish_verify_graph() waits for it.
 bool Engine::launch_verify_graph(const StepInput& in) {
   const int B = in.B(), span = verify_span_, T = B * span;
-  if (vgraphs_.empty() || !in.verify || in.n_draft != B || in.T() != T || in.S() != T || in.num_logprobs != 0 ||
+  if (!dr_ || graphs_.empty() || !in.verify || in.n_draft != B || in.T() != T || in.S() != T || in.num_logprobs != 0 ||
       in.return_logits || in.n_tap_layers > 0 || in.kv_load_wait || in.prev_rows)
     return false;
-  const VerifyGraph* g = nullptr;
-  for (const auto& c : vgraphs_)
-    if (c.batch >= B) { g = &c; break; }
+  const Graph* g = bucket(B);
   if (!g) return false;
   for (int b = 0; b < B; ++b)
     if (in.draft[b] != 1 || in.query_start_loc[b] != b * span) return false;
   for (int r = 0; r < T; ++r)
     if (in.sample_idx[r] != r) return false;
-  const int Bg = g->batch, slot = graph_slot_, W = verify_bt_stride_;
-  for (const Pending& p : pending_)
-    OI_CHECK(!p.graph || p.slot != slot, "graph arena image " << slot << " is still in flight");
-  char* h = graph_host_[slot];
+  const int Bg = g->batch, W = verify_bt_stride_;
+  char* h = arena_image();
   std::memcpy(h + va_.ids, in.input_ids, T * 4);
   std::memcpy(h + va_.pos, in.positions, T * 4);
   std::memcpy(h + va_.slots, in.slot_mapping, T * 4);
@@ -440,43 +449,29 @@ bool Engine::launch_verify_graph(const StepInput& in) {
   for (int b = 0; b < B; ++b)
     std::memcpy(h + va_.bt + (size_t)b * W * 4, in.block_tables + (size_t)b * in.bt_stride, nb_cols * 4);
   pad_verify_rows(h, B, Bg);
-  cudaEvent_t* ev = graph_ev_[slot];
   int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + va_.drafts);
   OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, va_.bt + (size_t)Bg * W * 4, cudaMemcpyHostToDevice, stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev[0], stream_));
-  if (g->exec && !in.force_eager) {
-    OI_CUDA_CHECK(cudaGraphExecEventRecordNodeSetEvent(g->exec, g->split, ev[3]));  // later launches only
-    OI_CUDA_CHECK(cudaGraphLaunch(g->exec, stream_));
-    ++graph_steps_;
-  } else {
+  OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][0], stream_));
+  replay(*g, in.force_eager, [&] {
     const StepMeta m = verify_meta(Bg, eager_kernels_);
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-    OI_CUDA_CHECK(cudaEventRecord(ev[3], stream_));
+    OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][3], stream_));
     run_drafter(m, verify_draft_stage(Bg), drafts, eager_kernels_.attention);
-  }
-  OI_CUDA_CHECK(cudaEventRecord(ev[1], stream_));
+  });
   OI_CUDA_CHECK(cudaMemcpyAsync(h + va_.tokens, graph_dev_ + va_.tokens, va_.seq_rows - va_.tokens,
                                 cudaMemcpyDeviceToHost, stream_));
-  OI_CUDA_CHECK(cudaEventRecord(ev[2], stream_));
   Pending p;
-  p.graph = p.verify = p.drafter = true;
-  p.slot = slot;
+  p.verify = p.drafter = true;
   p.B = B;
   p.S = T;
   p.bucket = Bg;
-  pending_.push_back(std::move(p));
-  last_tokens_ = reinterpret_cast<const int32_t*>(graph_dev_ + va_.tokens);
-  graph_slot_ ^= 1;  // only once queued: after a failed launch the image stays free
+  queue_graph_step(std::move(p), reinterpret_cast<const int32_t*>(graph_dev_ + va_.tokens));
   return true;
 }
 
 StepResult Engine::finish_verify_graph(const Pending& p) {
-  cudaEvent_t* ev = graph_ev_[p.slot];
-  OI_CUDA_CHECK(cudaEventSynchronize(ev[2]));
   StepResult r;
-  OI_CUDA_CHECK(cudaEventElapsedTime(&r.gpu_ms, ev[0], ev[1]));
-  OI_CUDA_CHECK(cudaEventElapsedTime(&r.draft_ms, ev[3], ev[1]));
-  const char* h = graph_host_[p.slot];
+  const char* h = wait_graph_step(p, r);
   const int32_t* tok = reinterpret_cast<const int32_t*>(h + va_.tokens);
   const float* lp = reinterpret_cast<const float*>(h + va_.logprobs);
   const int32_t* acc = reinterpret_cast<const int32_t*>(h + va_.accepted);
@@ -491,7 +486,6 @@ StepResult Engine::finish_verify_graph(const Pending& p) {
   r.S = p.S;
   r.accepted_rows = r.draft_rows = p.B;
   r.num_drafts = nd;
-  r.vocab = d_.vocab;
   return r;
 }
 
