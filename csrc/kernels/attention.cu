@@ -102,8 +102,16 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   bf16(*sK)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(stages);
   bf16(*sV)[KT][kLd] = reinterpret_cast<bf16(*)[KT][kLd]>(stages + kStages * KT * kLd);
   __shared__ int s_last;
-  const AttnWork w = a.work[blockIdx.x];
-  const int kvh = blockIdx.y, split = blockIdx.z;
+  // Unsplit launches of multi-token items (prompt chunks) take their items longest first: blocks start in
+  // launch order, and a causal chunk's last items hold the most keys (in item order they started last and
+  // ran alone at the end). Clusters and split launches keep the grid's order.
+  int wi = blockIdx.x, kvh = blockIdx.y;
+  if (!CLU && !KW && gridDim.z == 1) {
+    const int lin = blockIdx.y * gridDim.x + blockIdx.x;
+    wi = gridDim.x - 1 - lin / gridDim.y, kvh = lin % gridDim.y;
+  }
+  const AttnWork w = a.work[wi];
+  const int split = blockIdx.z;
   const int group = a.num_heads / a.kv.num_kv_heads;
   const int rows = w.num_tok * group;
   const int ctx = a.context_lens[w.seq];
@@ -528,7 +536,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   __threadfence();
   __syncthreads();
   if (tid == 0) {
-    int* cnt = a.counters + blockIdx.x * gridDim.y + kvh;
+    int* cnt = a.counters + wi * gridDim.y + kvh;
     const int prev = atomicAdd(cnt, 1);
     s_last = prev == parts * C - 1;
     if (s_last) *cnt = 0;  // ready for the next launch
@@ -539,7 +547,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   // Merge. The splits' log-sum-exps of every row go to shared memory in one parallel read (sQ is free
   // now), then each thread merges 4 dims of up to 4 rows with all their loads in flight together.
   float* s_w = reinterpret_cast<float*>(smem_raw);  // [rows][used] weights, then [rows] 1/sum
-  float* s_inv = s_w + kAttnMaxRowsPerBlock * kAttnMaxSplits;
+  float* s_inv = s_w + kRows * kAttnMaxSplits;
   const int S = parts;
   for (int i = tid; i < rows * S; i += kThreads) s_w[i] = __ldcg(a.ws_lse + (i % S) * split_stride + row_index(i / S));
   __syncthreads();
@@ -799,7 +807,8 @@ AttnLaunch attn_launch_shape(int num_work, int max_rows, int num_splits, AttnVar
 
 int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tokens, int num_sms, int max_split_rows,
                     int max_rows, AttnVariant v) {
-  const int blocks = std::max(1, num_work * num_kv_heads);
+  // a block of more than 64 rows (8 warps) counts as two: the split rule was measured on 4-warp blocks
+  const int blocks = std::max(1, num_work * num_kv_heads) * (max_rows > 64 ? 2 : 1);
   // About four blocks per SM: decode attention (4B heads, 36 layers in a graph, per launch) at 1k context
   // took 9.2 us for batch 1 with 128 blocks and 9.6 with 256; 18.8 us for batch 8 with 512 blocks, 22.7
   // with 1024 and 23.1 with 256; 72 us for batch 64 unsplit (512 blocks), 81 us with two splits.
@@ -850,7 +859,8 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   if (a.segment > 0) {  // chunk-invariant: 64-key tiles whatever the rows; num_splits 1 or >= every item's segments
     if (a.max_rows <= 16) launch<1, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
     else if (a.max_rows <= 32) launch<2, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
-    else launch<4, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    else if (a.max_rows <= 64) launch<4, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    else launch<8, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
     if (a.num_splits > 1)
       OI_CUDA_CHECK(launch_kernel(false, merge_segments_kernel, dim3(a.num_work, a.kv.num_kv_heads, (a.max_rows + 7) / 8),
                                   dim3(256), 0, s, nullptr, a));
@@ -871,7 +881,8 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   } else {
     if (a.max_rows <= 16) launch<1, 16, false>(a, grid, 1, scale_log2, l.early, s);
     else if (a.max_rows <= 32) launch<2, 64, false>(a, grid, 1, scale_log2, false, s);
-    else launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
+    else if (a.max_rows <= 64) launch<4, 64, false>(a, grid, 1, scale_log2, false, s);
+    else launch<8, 64, false>(a, grid, 1, scale_log2, false, s);
     if (a.num_splits > 1)  // after the whole grid (no early launch): every split's partial is in the workspace
       OI_CUDA_CHECK(launch_kernel(false, merge_splits_kernel, dim3(a.num_work, a.kv.num_kv_heads, (a.max_rows + 7) / 8),
                                   dim3(256), 0, s, nullptr, a));
