@@ -567,3 +567,47 @@ def test_fused_gemv_refuses_large_rows():
     for M in (3, 5):  # cuBLASLt from 3 rows on
         x = rand_bf16(rng, (M, 256))
         assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), M, 64, 256, 0, 0, None, 1e-6) is None
+
+
+@pytest.mark.parametrize("D,sampled", [(1, False), (3, False), (8, True), (13, True), (16, False)])
+def test_markov_sample_one_launch(D, sampled):
+    """The DSpark Markov head's one-launch pass (every draft slot, left to right): each slot's logits are
+    the lm_head's + W2 · W1[the kernel's own previous token] (the anchor for slot 0) within fp32 GEMV
+    error, and each token is exactly what the sampler draws from the kernel's logits (greedy: the
+    maximum, lowest id among ties; sampled rows with their seeds and positions)."""
+    nd, R, Vm = 7, 256, 4099  # a vocabulary that is no multiple of the 16-row tile
+    rng = np.random.default_rng(D * 31 + sampled)
+    logits = (rng.standard_normal((nd * D, Vm)) * 2.0).astype(np.float32)
+    w1, w2 = rand_bf16(rng, (Vm, R), 0.5), rand_bf16(rng, (Vm, R), 0.5)
+    anchors = rng.integers(0, Vm, D).astype(np.int32)
+    temp = np.zeros(nd * D, np.float32)
+    if sampled:  # a sequence's rows share its parameters in every slot; here every other sequence samples
+        temp = np.tile(np.where(np.arange(D) % 2 == 1, 0.8, 0.0), nd).astype(np.float32)
+    top_p = np.tile(rng.choice([1.0, 0.9], D), nd).astype(np.float32)
+    top_k = np.tile(rng.choice([0, 20], D), nd).astype(np.int32)
+    seeds = np.tile(rng.integers(0, 2**63, D, dtype=np.uint64), nd)
+    pos = (np.arange(nd)[:, None] + rng.integers(10, 4000, D)[None, :]).reshape(-1).astype(np.int32)
+    got = ops().markov_sample(logits, w1, w2, anchors, temp, top_p, top_k, seeds, pos, nd, Vm, R)
+    assert got is not None
+    tok, out = got
+    W1, W2 = f32(w1), f32(w2)
+    prev = anchors
+    for j in range(nd):
+        rows = slice(j * D, (j + 1) * D)
+        want = logits[rows] + W1[prev] @ W2.T
+        assert rel_err(out[rows], want) < 1e-5
+        np.testing.assert_array_equal(tok[rows], ref.sample(out[rows], temp[rows], top_p[rows], top_k[rows],
+                                                            seeds[rows], pos[rows]))
+        prev = tok[rows]
+
+
+def test_markov_sample_refuses_what_it_does_not_take():
+    """More sequences than one launch takes, or a rank that is no multiple of 64: None (the caller runs
+    the slots one by one)."""
+    def call(D, R):
+        z = np.zeros
+        return ops().markov_sample(z((D, 64), np.float32), z((64, R), np.uint16), z((64, R), np.uint16),
+                                   z(D, np.int32), z(D, np.float32), np.ones(D, np.float32), z(D, np.int32),
+                                   z(D, np.uint64), z(D, np.int32), 1, 64, R)
+    assert call(17, 256) is None and call(2, 96) is None and call(2, 512) is None
+    assert call(2, 128) is not None

@@ -346,6 +346,31 @@ void bind_ops(py::module_& m) {
     return py::make_tuple(tok.get<int32_t>({S}), lp.get<float>({S}), tid.get<int32_t>({S, num_logprobs}),
                           tlp.get<float>({S, num_logprobs}));
   });
+  ops.def("markov_sample", [](const Arr<float>& logits, const Arr<uint16_t>& w1, const Arr<uint16_t>& w2,
+                              const Arr<int32_t>& anchors, const Arr<float>& temperature, const Arr<float>& top_p,
+                              const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,
+                              int num_drafts, int V, int R) {
+    // The Markov head's one-launch pass; returns (tokens [num_drafts * D], logits after the Markov terms), or
+    // None where the launcher does not take the chunk.
+    const int D = (int)anchors.size(), S = num_drafts * D;
+    if ((int64_t)temperature.size() != S || (int64_t)logits.size() != (int64_t)S * V || (int64_t)w1.size() != (int64_t)V * R)
+      throw std::invalid_argument("markov_sample: inconsistent sizes");
+    int dev = 0, sms = 0;
+    OI_CUDA_CHECK(cudaGetDevice(&dev));
+    OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+    Dev dl(logits), d1(w1), d2(w2), da(anchors), dt(temperature), dp(top_p), dk(top_k), ds(seeds), dpos(positions);
+    Dev tok((size_t)S * 4), lp((size_t)S * 4), part((size_t)2 * sms * std::max(D, 1) * 8), sync(8);
+    OI_CUDA_CHECK(cudaMemset(sync.p, 0, 8));
+    MarkovArgs a{};
+    a.logits = dl.as<float>(); a.w1 = d1.as<bf16>(); a.w2 = d2.as<bf16>(); a.anchors = da.as<int32_t>();
+    a.D = D; a.num_drafts = num_drafts; a.V = V; a.R = R;
+    a.temperature = dt.as<float>(); a.top_p = dp.as<float>(); a.top_k = dk.as<int32_t>(); a.seeds = ds.as<uint64_t>();
+    a.positions = dpos.as<int32_t>(); a.tokens = tok.as<int32_t>(); a.logprobs = lp.as<float>();
+    a.part = static_cast<float2*>(part.p); a.sync = static_cast<unsigned*>(sync.p);
+    if (!markov_sample(a, sms, 0)) return py::object(py::none());
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    return py::object(py::make_tuple(tok.get<int32_t>({S}), dl.get<float>({S, V})));
+  });
   ops.def("fill_normal_stats", [](int64_t n, uint64_t seed, float mean, float std) {
     // For the random-load test: moments of the GPU generator.
     Dev d((size_t)n * 2);

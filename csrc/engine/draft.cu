@@ -94,8 +94,12 @@ void Engine::allocate_drafter() {
   s.d_top_p = static_cast<float*>(alloc(rows * 4, &act_bytes_));
   s.d_seeds = static_cast<uint64_t*>(alloc(rows * 8, &act_bytes_));
   st.logprobs = static_cast<float*>(alloc(rows * 4, &act_bytes_));
-  if (st.dims.markov_rank)
+  if (st.dims.markov_rank) {
     st.markov_u = static_cast<bf16*>(alloc((int64_t)st.chunk * st.dims.markov_rank * sizeof(bf16), &act_bytes_));
+    st.markov_part = static_cast<float2*>(alloc((size_t)2 * num_sms_ * kMaxMarkovSeqs * sizeof(float2), &act_bytes_));
+    st.markov_sync = static_cast<unsigned*>(alloc(2 * sizeof(unsigned), &act_bytes_));
+    OI_CUDA_CHECK(cudaMemset(st.markov_sync, 0, 2 * sizeof(unsigned)));
+  }
 }
 
 // The drafting sequences and their block passes' attention items, chunk by chunk, into the step's staging.
@@ -176,6 +180,8 @@ void Engine::run_drafter(const StepMeta& m, const DraftStage& ds, int32_t* out_d
     b.tokens = out_drafts + (int64_t)done * dd.num_drafts;
     b.logprobs = st.logprobs;
     b.markov_u = st.markov_u;
+    b.markov_part = st.markov_part;
+    b.markov_sync = st.markov_sync;
     drafter_block(st.md, dd, st.w, w_.embed, w_.lm_head, act_, b, rope_, st.kv_cache, st.kv, *gemm_, num_sms_, stream_);
     done += Dc;
   }

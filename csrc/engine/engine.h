@@ -261,6 +261,8 @@ class Engine {
     int chunk = 0;              // drafting sequences per block pass (the activations hold chunk * block rows)
     DraftInputs scratch{};      // device outputs of draft_inputs, sized for one chunk
     bf16* markov_u = nullptr;
+    float2* markov_part = nullptr;
+    unsigned* markov_sync = nullptr;
     float* logprobs = nullptr;
     int64_t block_bytes() const { return kv.block_stride() * (int64_t)sizeof(bf16); }
   };

@@ -3,6 +3,7 @@
 
 #include "hash.cuh"
 #include "launch.cuh"
+#include "mma.cuh"
 #include "sampling.cuh"
 
 namespace oi {
@@ -304,20 +305,33 @@ __device__ __forceinline__ int draw_from_gathered(uint64_t* key, int n, int k, f
   return block_argmax(draw, red).i;
 }
 
-__global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
-  __shared__ ArgMax red[32];
-  __shared__ float fred[32];
-  __shared__ float hist[256];
-  __shared__ float whist[kWarpsPerBlock][256];
-  __shared__ uint32_t sprefix;
-  __shared__ float srem;
-  __shared__ uint64_t key[kThreads];
-  __shared__ float scan[kThreads];
-  __shared__ int s_count, s_cut;
-  __shared__ float s_z;
-  pdl_wait();  // the logits come from the lm_head
-  pdl_trigger();
-  const int row = blockIdx.x;
+// The sampler's shared memory (one block of kThreads per row).
+struct SampleSmem {
+  ArgMax red[32];
+  float fred[32];
+  float hist[256];
+  float whist[kWarpsPerBlock][256];
+  uint32_t sprefix;
+  float srem;
+  uint64_t key[kThreads];
+  float scan[kThreads];
+  int s_count, s_cut;
+  float s_z;
+};
+
+// Samples row `row` of a.logits with the whole block.
+__device__ void sample_row(const SampleArgs& a, int row, SampleSmem& sm) {
+  ArgMax* red = sm.red;
+  float* fred = sm.fred;
+  float* hist = sm.hist;
+  float(*whist)[256] = sm.whist;
+  uint32_t& sprefix = sm.sprefix;
+  float& srem = sm.srem;
+  uint64_t* key = sm.key;
+  float* scan = sm.scan;
+  int& s_count = sm.s_count;
+  int& s_cut = sm.s_cut;
+  float& s_z = sm.s_z;
   const float* l = a.logits + (int64_t)row * a.vocab;
   const int V = a.vocab;
 
@@ -398,6 +412,13 @@ __global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
   }
 }
 
+__global__ void __launch_bounds__(kThreads, 1) sample_kernel(SampleArgs a) {
+  __shared__ SampleSmem sm;
+  pdl_wait();  // the logits come from the lm_head
+  pdl_trigger();
+  sample_row(a, blockIdx.x, sm);
+}
+
 }  // namespace
 
 void sample(const SampleArgs& a, cudaStream_t s) {
@@ -426,6 +447,183 @@ void count_accepted(const int32_t* ids, const int32_t* sample_idx, const int32_t
   if (B <= 0) return;
   OI_CUDA_CHECK(launch_kernel(true, count_accepted_kernel, dim3((B + 127) / 128), dim3(128), 0, s, nullptr, ids,
                               sample_idx, tokens, seq_rows, B, accepted));
+}
+
+namespace {
+
+constexpr int kMarkovSeg = 32;  // rank elements per 16-byte lane load of a W2 row (a lane's MMA fragments)
+
+// Grid-wide barrier for a grid whose blocks are all resident (one per SM at most): the last block to
+// arrive resets the count and moves the generation on; the others wait for it to move.
+__device__ __forceinline__ void grid_sync(unsigned* count, unsigned* gen) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    unsigned g;
+    asm volatile("ld.relaxed.gpu.u32 %0, [%1];" : "=r"(g) : "l"(gen) : "memory");  // before arriving: cannot move yet
+    __threadfence();
+    if (atomicAdd(count, 1u) == gridDim.x - 1) {
+      atomicExch(count, 0u);
+      __threadfence();
+      atomicAdd(gen, 1u);
+    } else {
+      unsigned now;
+      do asm volatile("ld.acquire.gpu.u32 %0, [%1];" : "=r"(now) : "l"(gen) : "memory");
+      while (now == g);
+    }
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// The Markov head's pass over a chunk of D drafting sequences, slot by slot in one launch: slot j's logits
+// (the lm_head's, slot-major rows j * D + d) += W2 · W1[token before it], then the slot is sampled. Phase
+// A: every block adds the term over its share of the vocabulary (16 W2 rows per warp tile, W2 as the MMA's
+// A operand with K permuted so that a lane's 16-byte load of a row is its fragment, W1's D rows as B)
+// and keeps each row's greedy maximum; phase B: greedy rows take the maximum of the blocks' maxima,
+// every block alike; other rows are drawn by sample_row, one block per row, then a second barrier.
+// The logits are updated in place, so a sampled row sees exactly what sample() would.
+template <int NT>  // 8-sequence MMA tiles: D <= 8 * NT
+__global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
+  __shared__ union {
+    struct {
+      uint4 u[NT * 8][kMaxMarkovRank / 8];  // W1 rows of the tokens before this slot
+      ArgMax part[kWarpsPerBlock][NT * 8];
+    } p;
+    SampleSmem sm;
+  } sh;
+  __shared__ int s_tok[NT * 8];
+  __shared__ int s_sampled;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  const int D = a.D, V = a.V, R = a.R, segs = R / kMarkovSeg;
+  pdl_wait();  // the logits come from the lm_head
+  if (threadIdx.x == 0) {
+    int any = 0;
+    for (int d = 0; d < D; ++d) any |= a.temperature[d] > 0.f;  // slot 0's rows: a sequence's are alike in every slot
+    s_sampled = any;
+  }
+  if (threadIdx.x < D) s_tok[threadIdx.x] = a.anchors[threadIdx.x];
+  __syncthreads();
+  const bool sampled = s_sampled;
+  const int tiles = (V + 15) / 16, gwarps = gridDim.x * kWarpsPerBlock;
+  for (int j = 0; j < a.num_drafts; ++j) {
+    float* logits = a.logits + (int64_t)j * D * V;
+    for (int i = threadIdx.x; i < NT * 8 * (R / 8); i += kThreads) {
+      const int d = i / (R / 8), c = i % (R / 8);
+      sh.p.u[d][c] = d < D ? reinterpret_cast<const uint4*>(a.w1 + (int64_t)s_tok[d] * R)[c] : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    // Phase A. best[n][e]: this lane's maximum for sequence n * 8 + 2t + e (lowest id among ties).
+    ArgMax best[NT][2];
+#pragma unroll
+    for (int n = 0; n < NT; ++n) best[n][0] = best[n][1] = ArgMax{-INFINITY, 0x7fffffff};
+    for (int tile = blockIdx.x * kWarpsPerBlock + warp; tile < tiles; tile += gwarps) {
+      const int v0 = tile * 16 + g, v1 = v0 + 8;
+      const uint4* r0 = reinterpret_cast<const uint4*>(a.w2 + (int64_t)min(v0, V - 1) * R) + t;
+      const uint4* r1 = reinterpret_cast<const uint4*>(a.w2 + (int64_t)min(v1, V - 1) * R) + t;
+      float acc[NT][4];
+#pragma unroll
+      for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+      // S segments' loads in flight per lane: two at one 8-sequence tile, one at four (64 registers at most)
+      constexpr int S = NT == 1 ? 2 : 1;
+      for (int sg = 0; sg < segs; sg += S) {
+        uint4 x[S], y[S];
+#pragma unroll
+        for (int k = 0; k < S; ++k) x[k] = __ldg(r0 + (sg + k) * 4), y[k] = __ldg(r1 + (sg + k) * 4);
+#pragma unroll
+        for (int k = 0; k < S; ++k)
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const uint4 u = sh.p.u[n * 8 + g][(sg + k) * 4 + t];
+            mma_bf16(acc[n], x[k].x, y[k].x, x[k].y, y[k].y, u.x, u.y);
+            mma_bf16(acc[n], x[k].z, y[k].z, x[k].w, y[k].w, u.z, u.w);
+          }
+      }
+      // acc[n]: rows v0 (0, 1) and v1 (2, 3), sequences n * 8 + 2t (0, 2) and + 1 (1, 3)
+#pragma unroll
+      for (int n = 0; n < NT; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int d = n * 8 + 2 * t + e;
+          if (d >= D) continue;
+          // through L2 only: another block's sample_row reads these lines next (no stale L1 copies)
+          float* row = logits + (int64_t)d * V;
+          if (v0 < V) {
+            const float l = __ldcg(row + v0) + acc[n][e];
+            __stcg(row + v0, l);
+            if (l > best[n][e].v) best[n][e] = ArgMax{l, v0};
+          }
+          if (v1 < V) {
+            const float l = __ldcg(row + v1) + acc[n][2 + e];
+            __stcg(row + v1, l);
+            if (l > best[n][e].v) best[n][e] = ArgMax{l, v1};
+          }
+        }
+    }
+    // The block's maximum per sequence, then the grid's partials.
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        ArgMax x = best[n][e];
+        for (int o = 4; o < 32; o <<= 1)
+          x = better(x, ArgMax{__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)});
+        if (g == 0) sh.p.part[warp][n * 8 + 2 * t + e] = x;
+      }
+    __syncthreads();
+    // Two buffers by slot parity: a block can be one slot ahead of another still reading the partials.
+    float2* part = a.part + (int64_t)(j & 1) * gridDim.x * D;
+    if (threadIdx.x < D) {
+      ArgMax x{-INFINITY, 0x7fffffff};
+      for (int w = 0; w < kWarpsPerBlock; ++w) x = better(x, sh.p.part[w][threadIdx.x]);
+      part[(int64_t)blockIdx.x * D + threadIdx.x] = make_float2(x.v, __int_as_float(x.i));
+    }
+    grid_sync(a.sync, a.sync + 1);
+    // Phase B: every block reduces the partials in the same order (the same token everywhere).
+    if (threadIdx.x < D) {
+      ArgMax x{-INFINITY, 0x7fffffff};
+      for (int b = 0; b < (int)gridDim.x; ++b) {
+        const float2 p = __ldcg(part + (int64_t)b * D + threadIdx.x);
+        x = better(x, ArgMax{p.x, __float_as_int(p.y)});
+      }
+      const int tok = x.i >= 0 && x.i < V ? x.i : 0;  // a row of -inf or NaN only: 0, as sample()
+      s_tok[threadIdx.x] = tok;
+      const int r = j * D + threadIdx.x;
+      if (blockIdx.x == 0 && !(sampled && a.temperature[r] > 0.f)) {
+        a.tokens[r] = tok;
+        a.logprobs[r] = 0.f;  // (drafts need no log-probability)
+      }
+    }
+    if (sampled) {
+      __syncthreads();  // s_tok read; the union's sampler half is now free
+      SampleArgs sa{};
+      sa.logits = a.logits;
+      sa.vocab = V;
+      sa.temperature = a.temperature;
+      sa.top_p = a.top_p;
+      sa.top_k = a.top_k;
+      sa.seeds = a.seeds;
+      sa.positions = a.positions;
+      sa.tokens = a.tokens;
+      sa.logprobs = a.logprobs;
+      for (int d = blockIdx.x; d < D; d += gridDim.x)
+        if (a.temperature[j * D + d] > 0.f) sample_row(sa, j * D + d, sh.sm);
+      grid_sync(a.sync, a.sync + 1);
+      if (threadIdx.x < D && a.temperature[j * D + threadIdx.x] > 0.f) s_tok[threadIdx.x] = __ldcg(a.tokens + j * D + threadIdx.x);
+    }
+    __syncthreads();
+  }
+  pdl_trigger();  // at the end: the grid's blocks must all stay resident until the last barrier
+}
+
+}  // namespace
+
+bool markov_sample(const MarkovArgs& a, int num_sms, cudaStream_t s) {
+  if (a.D < 1 || a.D > kMaxMarkovSeqs || a.R % (2 * kMarkovSeg) != 0 || a.R > kMaxMarkovRank || a.num_drafts < 1)
+    return false;
+  const dim3 grid(num_sms), block(kThreads);  // one block per SM: all resident for the barriers
+  if (a.D <= 8) OI_CUDA_CHECK(launch_kernel(false, markov_kernel<1>, grid, block, 0, s, nullptr, a));
+  else OI_CUDA_CHECK(launch_kernel(false, markov_kernel<2>, grid, block, 0, s, nullptr, a));
+  return true;
 }
 
 }  // namespace oi

@@ -31,4 +31,27 @@ void sample(const SampleArgs& a, cudaStream_t s);
 void count_accepted(const int32_t* ids, const int32_t* sample_idx, const int32_t* tokens, const int32_t* seq_rows,
                     int B, int32_t* accepted, cudaStream_t s);
 
+// The DSpark drafter's Markov head over a chunk of D drafting sequences, in one launch: for each draft
+// slot j, left to right, logits[j * D + d] += W2 · W1[token before it] (the anchor for slot 0), then the
+// row is sampled exactly as sample() samples it (greedy rows: the maximum, lowest id among ties).
+constexpr int kMaxMarkovSeqs = 16;
+constexpr int kMaxMarkovRank = 256;
+struct MarkovArgs {
+  float* logits;              // [num_drafts * D, V] the lm_head's logits of the draft rows, slot-major
+  const bf16 *w1, *w2;        // [V, R] each
+  const int32_t* anchors;     // [D]
+  int D, num_drafts, V, R;
+  const float *temperature, *top_p;  // [num_drafts * D] per draft row, as SampleArgs
+  const int32_t *top_k, *positions;
+  const uint64_t* seeds;
+  int32_t* tokens;            // [num_drafts * D] out
+  float* logprobs;            // [num_drafts * D] out (0 for greedy rows)
+  float2* part;               // [2 * num_sms * D] scratch: the blocks' maxima
+  unsigned* sync;             // [2] barrier state, zero before the first launch (each launch leaves it so)
+};
+
+// False (nothing launched) for a chunk it does not take (D > kMaxMarkovSeqs, R not a multiple of 64 or
+// above kMaxMarkovRank); the caller then runs the slots one by one.
+bool markov_sample(const MarkovArgs& a, int num_sms, cudaStream_t s);
+
 }  // namespace oi

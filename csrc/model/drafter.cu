@@ -63,7 +63,27 @@ void drafter_block(const ModelDims& d, const DrafterDims& dd, const DrafterWeigh
     return;
   }
   // The Markov head, left to right: slot j's logits += W2 · W1[token before it] (the anchor for slot 0), for
-  // every sequence of the chunk at once (a gather and one [D, rank] x [rank, V] GEMM per slot).
+  // every sequence of the chunk at once: one launch for every slot (sampling.cuh), or, for chunks it does
+  // not take, a gather and one [D, rank] x [rank, V] GEMM per slot.
+  MarkovArgs ma{};
+  ma.logits = a.logits;
+  ma.w1 = w.markov_w1;
+  ma.w2 = w.markov_w2;
+  ma.anchors = b.anchors;
+  ma.D = b.D;
+  ma.num_drafts = dd.num_drafts;
+  ma.V = d.vocab;
+  ma.R = dd.markov_rank;
+  ma.temperature = b.temperature;
+  ma.top_p = b.top_p;
+  ma.top_k = b.top_k;
+  ma.positions = b.sample_pos;
+  ma.seeds = b.seeds;
+  ma.tokens = b.tokens;
+  ma.logprobs = b.logprobs;
+  ma.part = b.markov_part;
+  ma.sync = b.markov_sync;
+  if (markov_sample(ma, num_sms, s)) return;
   for (int j = 0; j < dd.num_drafts; ++j) {
     gather_rows(w.markov_w1, j == 0 ? b.anchors : b.tokens + (j - 1) * b.D, b.markov_u, b.D, dd.markov_rank, s);
     gemm.run(b.markov_u, w.markov_w2, a.logits + (int64_t)j * b.D * d.vocab, b.D, d.vocab, dd.markov_rank, true, true,

@@ -53,6 +53,8 @@ struct DraftBlock {
   int32_t* tokens;                 // [num_drafts * D] out
   float* logprobs;                 // [num_drafts * D] out (scratch)
   bf16* markov_u;                  // [D, rank] scratch
+  float2* markov_part;             // [2 * num_sms * kMaxMarkovSeqs] scratch of the one-launch pass
+  unsigned* markov_sync;           // [2] its barrier (zeroed once)
 };
 
 // The context pass over a step's T tokens: feats [T, taps * H] (the target's residual streams).
