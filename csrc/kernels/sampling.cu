@@ -492,18 +492,15 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
     SampleSmem sm;
   } sh;
   __shared__ int s_tok[NT * 8];
-  __shared__ int s_sampled;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int D = a.D, V = a.V, R = a.R, segs = R / kMarkovSeg;
   pdl_wait();  // the logits come from the lm_head
-  if (threadIdx.x == 0) {
-    int any = 0;
-    for (int d = 0; d < D; ++d) any |= a.temperature[d] > 0.f;  // slot 0's rows: a sequence's are alike in every slot
-    s_sampled = any;
-  }
   if (threadIdx.x < D) s_tok[threadIdx.x] = a.anchors[threadIdx.x];
-  __syncthreads();
-  const bool sampled = s_sampled;
+  // Any sampled row in any slot (the engine's rows of a sequence share its temperature; the kernel does not
+  // rely on it): the same answer in every block, so every block takes the second barrier or none does.
+  int any = 0;
+  for (int r = threadIdx.x; r < a.num_drafts * D; r += kThreads) any |= a.temperature[r] > 0.f;
+  const bool sampled = __syncthreads_or(any);
   const int tiles = (V + 15) / 16, gwarps = gridDim.x * kWarpsPerBlock;
   for (int j = 0; j < a.num_drafts; ++j) {
     float* logits = a.logits + (int64_t)j * D * V;
@@ -594,7 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
       }
     }
     if (sampled) {
-      __syncthreads();  // s_tok read; the union's sampler half is now free
+      __syncthreads();  // phase B's s_tok writes before thread d's below
       SampleArgs sa{};
       sa.logits = a.logits;
       sa.vocab = V;
@@ -618,11 +615,18 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
 }  // namespace
 
 bool markov_sample(const MarkovArgs& a, int num_sms, cudaStream_t s) {
-  if (a.D < 1 || a.D > kMaxMarkovSeqs || a.R % (2 * kMarkovSeg) != 0 || a.R > kMaxMarkovRank || a.num_drafts < 1)
+  if (a.D < 1 || a.D > kMaxMarkovSeqs || a.R < 2 * kMarkovSeg || a.R % (2 * kMarkovSeg) != 0 || a.R > kMaxMarkovRank ||
+      a.num_drafts < 1)
     return false;
-  const dim3 grid(num_sms), block(kThreads);  // one block per SM: all resident for the barriers
-  if (a.D <= 8) OI_CUDA_CHECK(launch_kernel(false, markov_kernel<1>, grid, block, 0, s, nullptr, a));
-  else OI_CUDA_CHECK(launch_kernel(false, markov_kernel<2>, grid, block, 0, s, nullptr, a));
+  const dim3 grid(num_sms), block(kThreads);  // one block per SM (64 registers x 1024 threads fill one)
+  // The grid barriers need every block resident at once, which a plain launch does not promise: two such
+  // grids on two streams (two engines) can each take part of the SMs and wait on each other's spinning
+  // blocks for ever. Cooperative (as persistent.cu): all blocks scheduled together, or a launch error.
+  cudaLaunchAttribute coop{};
+  coop.id = cudaLaunchAttributeCooperative;
+  coop.val.cooperative = 1;
+  if (a.D <= 8) OI_CUDA_CHECK(launch_kernel(false, markov_kernel<1>, grid, block, 0, s, &coop, a));
+  else OI_CUDA_CHECK(launch_kernel(false, markov_kernel<2>, grid, block, 0, s, &coop, a));
   return true;
 }
 

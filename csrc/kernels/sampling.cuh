@@ -47,11 +47,13 @@ struct MarkovArgs {
   int32_t* tokens;            // [num_drafts * D] out
   float* logprobs;            // [num_drafts * D] out (0 for greedy rows)
   float2* part;               // [2 * num_sms * D] scratch: the blocks' maxima
-  unsigned* sync;             // [2] barrier state, zero before the first launch (each launch leaves it so)
+  unsigned* sync;             // [2] grid barrier: arrivals (zero before the first launch; each launch leaves
+                              // it zero) and generation (any value)
 };
 
-// False (nothing launched) for a chunk it does not take (D > kMaxMarkovSeqs, R not a multiple of 64 or
-// above kMaxMarkovRank); the caller then runs the slots one by one.
+// False (nothing launched) for a chunk it does not take (D > kMaxMarkovSeqs, R not a positive multiple of
+// 64 or above kMaxMarkovRank); the caller then runs the slots one by one. One block per SM, launched
+// cooperatively: num_sms at most the device's (and part sized by it).
 bool markov_sample(const MarkovArgs& a, int num_sms, cudaStream_t s);
 
 }  // namespace oi
