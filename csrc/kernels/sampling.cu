@@ -520,20 +520,21 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
       float acc[NT][4];
 #pragma unroll
       for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
-      // S segments' loads in flight per lane: two at one 8-sequence tile, one at four (64 registers at most)
-      constexpr int S = NT == 1 ? 2 : 1;
-      for (int sg = 0; sg < segs; sg += S) {
-        uint4 x[S], y[S];
+      // Software-pipelined two segments deep: segments sg + 1 and sg + 2 are in flight (64 B a lane, 64 KB an
+      // SM) while segment sg's MMAs run. The loop stays rolled: unrolled (as first written) the compiler ran
+      // loads further ahead and spilled the tile loop's state, 64 registers being the cap at 1024 threads.
+      uint4 x0 = __ldg(r0), y0 = __ldg(r1), x1 = __ldg(r0 + 4), y1 = __ldg(r1 + 4);  // segs >= 2 (R >= 64)
+#pragma unroll 1
+      for (int sg = 0; sg < segs; ++sg) {
+        uint4 x2 = x1, y2 = y1;
+        if (sg + 2 < segs) x2 = __ldg(r0 + (sg + 2) * 4), y2 = __ldg(r1 + (sg + 2) * 4);
 #pragma unroll
-        for (int k = 0; k < S; ++k) x[k] = __ldg(r0 + (sg + k) * 4), y[k] = __ldg(r1 + (sg + k) * 4);
-#pragma unroll
-        for (int k = 0; k < S; ++k)
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const uint4 u = sh.p.u[n * 8 + g][(sg + k) * 4 + t];
-            mma_bf16(acc[n], x[k].x, y[k].x, x[k].y, y[k].y, u.x, u.y);
-            mma_bf16(acc[n], x[k].z, y[k].z, x[k].w, y[k].w, u.z, u.w);
-          }
+        for (int n = 0; n < NT; ++n) {
+          const uint4 u = sh.p.u[n * 8 + g][sg * 4 + t];
+          mma_bf16(acc[n], x0.x, y0.x, x0.y, y0.y, u.x, u.y);
+          mma_bf16(acc[n], x0.z, y0.z, x0.w, y0.w, u.z, u.w);
+        }
+        x0 = x1, y0 = y1, x1 = x2, y1 = y2;
       }
       // acc[n]: rows v0 (0, 1) and v1 (2, 3), sequences n * 8 + 2t (0, 2) and + 1 (1, 3)
 #pragma unroll
@@ -543,7 +544,7 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
           const int d = n * 8 + 2 * t + e;
           if (d >= D) continue;
           // through L2 only: another block's sample_row reads these lines next (no stale L1 copies)
-          float* row = logits + (int64_t)d * V;
+          float* row = logits + d * V;  // (int: d < 16)
           if (v0 < V) {
             const float l = __ldcg(row + v0) + acc[n][e];
             __stcg(row + v0, l);
@@ -575,23 +576,29 @@ __global__ void __launch_bounds__(kThreads, 1) markov_kernel(MarkovArgs a) {
       part[(int64_t)blockIdx.x * D + threadIdx.x] = make_float2(x.v, __int_as_float(x.i));
     }
     grid_sync(a.sync, a.sync + 1);
-    // Phase B: every block reduces the partials in the same order (the same token everywhere).
-    if (threadIdx.x < D) {
+    // Phase B: warp d reduces sequence d's partials across its lanes (one thread's serial pass over
+    // gridDim.x of them sat behind every barrier). better() is a total order on the partials (no NaN: a
+    // lane keeps only l > best), so the maximum, and the token, is the same in every block in any order.
+    if (warp < D) {
       ArgMax x{-INFINITY, 0x7fffffff};
-      for (int b = 0; b < (int)gridDim.x; ++b) {
-        const float2 p = __ldcg(part + (int64_t)b * D + threadIdx.x);
+      for (int b = lane; b < (int)gridDim.x; b += 32) {
+        const float2 p = __ldcg(part + (int64_t)b * D + warp);
         x = better(x, ArgMax{p.x, __float_as_int(p.y)});
       }
-      const int tok = x.i >= 0 && x.i < V ? x.i : 0;  // a row of -inf or NaN only: 0, as sample()
-      s_tok[threadIdx.x] = tok;
-      const int r = j * D + threadIdx.x;
-      if (blockIdx.x == 0 && !(sampled && a.temperature[r] > 0.f)) {
-        a.tokens[r] = tok;
-        a.logprobs[r] = 0.f;  // (drafts need no log-probability)
+      for (int o = 16; o > 0; o >>= 1)
+        x = better(x, ArgMax{__shfl_xor_sync(0xffffffffu, x.v, o), __shfl_xor_sync(0xffffffffu, x.i, o)});
+      if (lane == 0) {
+        const int tok = x.i >= 0 && x.i < V ? x.i : 0;  // a row of -inf or NaN only: 0, as sample()
+        s_tok[warp] = tok;
+        const int r = j * D + warp;
+        if (blockIdx.x == 0 && !(sampled && a.temperature[r] > 0.f)) {
+          a.tokens[r] = tok;
+          a.logprobs[r] = 0.f;  // (drafts need no log-probability)
+        }
       }
     }
     if (sampled) {
-      __syncthreads();  // phase B's s_tok writes before thread d's below
+      __syncthreads();  // phase B's s_tok writes (lane 0 of warp d) before thread d's below
       SampleArgs sa{};
       sa.logits = a.logits;
       sa.vocab = V;
