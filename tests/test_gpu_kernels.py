@@ -569,16 +569,24 @@ def test_fused_gemv_refuses_large_rows():
         assert ops().gemv(x, None, rand_bf16(rng, (64, 256)), M, 64, 256, 0, 0, None, 1e-6) is None
 
 
-@pytest.mark.parametrize("D,sampled", [(1, False), (3, False), (8, True), (13, True), (16, False)])
-def test_markov_sample_one_launch(D, sampled):
+@pytest.mark.parametrize("D,sampled,Vm,ties", [(1, False, 4099, False), (3, False, 4099, False), (8, True, 4099, False),
+                                               (13, True, 4100, False), (16, False, 4099, True), (9, True, 4100, True)])
+def test_markov_sample_one_launch(D, sampled, Vm, ties):
     """The DSpark Markov head's one-launch pass (every draft slot, left to right): each slot's logits are
     the lm_head's + W2 · W1[the kernel's own previous token] (the anchor for slot 0) within fp32 GEMV
     error, and each token is exactly what the sampler draws from the kernel's logits (greedy: the
-    maximum, lowest id among ties; sampled rows with their seeds and positions)."""
-    nd, R, Vm = 7, 256, 4099  # a vocabulary that is no multiple of the 16-row tile
+    maximum, lowest id among ties; sampled rows with their seeds and positions). Vocabularies that are no
+    multiple of the 16-row tile; 4100 rows are 16-byte aligned (the sampler's vector loads). With ties:
+    equal maxima in tiles of different blocks (the lowest id must win across the blocks' partials)."""
+    nd, R = 7, 256
     rng = np.random.default_rng(D * 31 + sampled)
     logits = (rng.standard_normal((nd * D, Vm)) * 2.0).astype(np.float32)
     w1, w2 = rand_bf16(rng, (Vm, R), 0.5), rand_bf16(rng, (Vm, R), 0.5)
+    tie_ids = 5 + 16 * np.array([200, 40, 130, 41])  # the same lane of 4 tiles (blocks 6, 1, 4, 1 of 32 warps)
+    tie_rows = np.tile(np.arange(D) % 3 == 0, nd)
+    if ties:  # equal W2 rows at the same place of their tiles: bit-equal MMA sums, well above the other logits
+        w2[tie_ids] = w2[tie_ids[0]]
+        logits[np.ix_(tie_rows, tie_ids)] = 60.0
     anchors = rng.integers(0, Vm, D).astype(np.int32)
     temp = np.zeros(nd * D, np.float32)
     if sampled:  # a sequence's rows share its parameters in every slot; here every other sequence samples
@@ -599,6 +607,9 @@ def test_markov_sample_one_launch(D, sampled):
         np.testing.assert_array_equal(tok[rows], ref.sample(out[rows], temp[rows], top_p[rows], top_k[rows],
                                                             seeds[rows], pos[rows]))
         prev = tok[rows]
+    if ties:  # the case was in play: greedy tie rows took the lowest of the tied ids
+        greedy_ties = tie_rows & (temp <= 0)
+        assert greedy_ties.any() and (tok[greedy_ties] == tie_ids.min()).all()
 
 
 def test_markov_sample_refuses_what_it_does_not_take():

@@ -353,8 +353,13 @@ void bind_ops(py::module_& m) {
     // The Markov head's one-launch pass; returns (tokens [num_drafts * D], logits after the Markov terms), or
     // None where the launcher does not take the chunk.
     const int D = (int)anchors.size(), S = num_drafts * D;
-    if ((int64_t)temperature.size() != S || (int64_t)logits.size() != (int64_t)S * V || (int64_t)w1.size() != (int64_t)V * R)
+    const int64_t VR = (int64_t)V * R;
+    if ((int64_t)temperature.size() != S || (int64_t)top_p.size() != S || (int64_t)top_k.size() != S ||
+        (int64_t)seeds.size() != S || (int64_t)positions.size() != S || (int64_t)logits.size() != (int64_t)S * V ||
+        (int64_t)w1.size() != VR || (int64_t)w2.size() != VR)
       throw std::invalid_argument("markov_sample: inconsistent sizes");
+    for (py::ssize_t d = 0; d < anchors.size(); ++d)  // the kernel gathers W1 rows by them unchecked
+      if (anchors.data()[d] < 0 || anchors.data()[d] >= V) throw std::invalid_argument("markov_sample: anchor out of range");
     int dev = 0, sms = 0;
     OI_CUDA_CHECK(cudaGetDevice(&dev));
     OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
