@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (~8 min) after the 2026-12-07 merges: the Markov one-launch A/B (.alt/ = a28033b, the merge
+# One device call (~4-8 min) after the 2026-12-07 merges (export T0 when GPU tests run first in the same call): the Markov one-launch A/B (.alt/ = a28033b, the merge
 # before it, built with bench/alt_tree.sh a28033b; its spec_bench.py copied to .alt/), then issue #24's round
 # costs (4B with DSpark-7 and DFlash-16 drafters, 8B with DSpark-7; batch 1/4/8/32, beside the plain engine's
 # graphed decode step), TPOT at controlled acceptance, the projection, and issue #25's engine figures (4B decode
@@ -10,7 +10,7 @@ source bench/device_setup.sh || exit 1
 export OPENINFER_TEST_CACHE=/tmp/ckpt PYTHONPATH=$PYTHONPATH:$PWD/bench
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 cat .whl/COMMIT .alt/REV
-T0=$(date +%s); mkdir -p $OUT
+T0=${T0:-$(date +%s)}; mkdir -p $OUT  # T0: the call's start, when something ran before this script
 left() { [ $(( $(date +%s) - T0 )) -lt $1 ] || { echo "skipped: $2"; return 1; }; }
 el() { echo "[$(( $(date +%s) - T0 )) s] $1"; }
 ck() { local d=/tmp/ckpt/$1; [ -f $d/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset $1 --out $d > /dev/null 2>&1; echo $d; }
@@ -23,19 +23,19 @@ for tree in alt this; do
     --no-plain-engine --out $OUT/markov_$tree.json 2>&1 | tail -n 14 | grep -E "verify\+draft" | sed "s/^/$tree /"
 done
 el "markov A/B"
-# 2. issue #24: round costs beside the plain engine's graphed decode step
-left 150 rounds4b && timeout 120 python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches 1,4,8,32 \
-  --draft-model-path $D4,$F4 --out $OUT/spec_rounds_4b.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p'
-left 230 project && python3 bench/spec_bench.py project --rounds-json $OUT/spec_rounds_4b.json --out $OUT/spec_project_4b.json |
-  grep -E "PROJECTION|goal| gpu +1 "
-left 240 rounds8b && timeout 90 python3 bench/spec_bench.py rounds --preset qwen3-8b --context 1024 --batches 1,4,8,32 \
-  --spans 8 --draft-model-path $D8 --out $OUT/spec_rounds_8b.json 2>>$OUT/spec.log | tail -n 12
-el "rounds"
-# 3. issue #25: the engine's decode and prefill steps
-left 330 engine && timeout 60 python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 256,1024 \
+# 2. issue #25: the engine's decode and prefill steps
+left 400 engine && timeout 60 python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 256,1024 \
   --out $OUT/engine_4b.json 2>&1 | grep -E "^qwen3"
 el "engine"
+# 3. issue #24: round costs beside the plain engine's graphed decode step, the projection, 8B
+left 430 rounds4b && timeout $(( 550 - $(date +%s) + T0 )) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 \
+  --batches 1,4,8,32 --spans 8 --draft-model-path $D4,$F4 --out $OUT/spec_rounds_4b.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p'
+left 545 project && python3 bench/spec_bench.py project --rounds-json $OUT/spec_rounds_4b.json --out $OUT/spec_project_4b.json |
+  grep -E "PROJECTION|goal| gpu +1 "
+left 480 rounds8b && timeout $(( 560 - $(date +%s) + T0 )) python3 bench/spec_bench.py rounds --preset qwen3-8b --context 1024 \
+  --batches 1,4,8,32 --spans 8 --draft-model-path $D8 --out $OUT/spec_rounds_8b.json 2>>$OUT/spec.log | tail -n 12
+el "rounds"
 # 4. issue #24: TPOT at controlled acceptance (the replay drafter), concurrency 1/4/8
-left 390 serve && timeout $(( 560 - $(date +%s) + T0 )) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 \
+left 420 serve && timeout $(( 560 - $(date +%s) + T0 )) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 \
   --taus 1,3,5,8 --num-drafts 7 --out $OUT/spec_serve_4b.json 2>>$OUT/spec.log | sed -n '/^TPOT and output/,$p'
 el "serve"
