@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# Ran once on 2026-12-07 (bench/results/experiments_h100_2026-12-07/); the patches it applies were then merged or dropped.
 # One device call (~8 min) that decides the five experiments written on 2026-12-07 (bench/experiments/README.md).
 # Here, first (no device time):
 #   git checkout -b exp/eval main
