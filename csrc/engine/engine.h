@@ -159,7 +159,8 @@ class Engine {
   // warm-up run (GEMM plans and tensor maps are made outside capture) and capture; the smallest bucket that holds
   // B sequences; queueing a step through the current image; waiting for one.
   void alloc_arena(size_t bytes);
-  void capture_buckets(const std::vector<int>& sizes, const std::function<void(int batch)>& body, bool split);
+  void capture_buckets(const std::vector<int>& sizes, const std::function<void(int batch, bool capturing)>& body,
+                       bool split);
   const Graph* bucket(int B) const;
   char* arena_image() const;
   void replay(const Graph& g, bool force_eager, const std::function<void()>& eager);

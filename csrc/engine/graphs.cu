@@ -98,7 +98,7 @@ void Engine::capture_graphs() {
   }
   std::memcpy(graph_host_[1], h0, ga_.bytes);  // the constant fields (sample_idx, work) live in both images
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, ga_.bytes, cudaMemcpyHostToDevice));
-  capture_buckets(sizes, [&](int b) {
+  capture_buckets(sizes, [&](int b, bool) {
     qwen3_forward(d_, w_, act_, graph_meta(b, KernelChoice{}), rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
   }, false);
 }
@@ -112,23 +112,23 @@ void Engine::alloc_arena(size_t bytes) {
 }
 
 // Per bucket: one warm-up run (GEMM plans, autotuned on the dummy rows, and tensor maps are made here, outside
-// capture), then the capture. split: body records graph_ev_[0][3] once with cudaEventRecordExternal, and the
-// graph keeps that record node, which each replay points at its own image's event (draft_ms).
-void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<void(int)>& body, bool split) {
+// capture), then the capture (body's second argument). split: body records graph_ev_[0][3] once with
+// cudaEventRecordExternal while capturing (the flag is invalid outside capture), and the graph keeps that record
+// node, which each replay points at its own image's event (draft_ms).
+void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<void(int, bool)>& body, bool split) {
   size_t free0 = 0, free1 = 0, total = 0;
   OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
   gemm_->set_autotune(opt_.gemm_autotune);
   for (int b : sizes) {
-    body(b);
+    body(b, false);
     OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
     Graph gr;
     gr.batch = b;
     if (opt_.cuda_graph) {  // else the same bucketed kernels run eagerly: identical outputs either way
       cudaGraph_t g = nullptr;
       OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
-      body(b);
+      body(b, true);
       OI_CUDA_CHECK(cudaStreamEndCapture(stream_, &g));
-      OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
       if (split) {
         size_t n = 0;
         OI_CUDA_CHECK(cudaGraphGetNodes(g, nullptr, &n));
@@ -142,10 +142,10 @@ void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<
           gr.split = node;
         }
         OI_CHECK(gr.split, "graph " << b << ": no event record node");
-        gr.graph = g;
-      } else {
-        OI_CUDA_CHECK(cudaGraphDestroy(g));
       }
+      OI_CUDA_CHECK(cudaGraphInstantiate(&gr.exec, g, 0));
+      if (split) gr.graph = g;
+      else OI_CUDA_CHECK(cudaGraphDestroy(g));
     }
     graphs_.push_back(gr);
   }
@@ -411,11 +411,11 @@ void Engine::capture_verify_graphs() {
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, a.bytes, cudaMemcpyHostToDevice));  // the constants stay on the device
 
   int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + a.drafts);
-  capture_buckets(sizes, [&](int b) {
+  capture_buckets(sizes, [&](int b, bool capturing) {
     const StepMeta m = verify_meta(b, KernelChoice{});
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
     // an event record node (a plain record in a capture is only an ordering): the drafter's device time
-    OI_CUDA_CHECK(cudaEventRecordWithFlags(graph_ev_[0][3], stream_, cudaEventRecordExternal));
+    if (capturing) OI_CUDA_CHECK(cudaEventRecordWithFlags(graph_ev_[0][3], stream_, cudaEventRecordExternal));
     run_drafter(m, verify_draft_stage(b), drafts, KernelChoice{}.attention);
   }, true);
 }
