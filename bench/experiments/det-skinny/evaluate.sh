@@ -29,6 +29,8 @@ el "kernel tests"
 left 210 plain && timeout 100 $PT tests/test_gpu_skinny_gemm.py 2>&1 | tee $OUT/skinny_plain.log | tail -2
 left 300 fixed && timeout 50 $PT tests/test_gpu_kernels.py -k fixed_gemm 2>&1 | tee $OUT/fixed.log | tail -2
 # (test_gpu_consistency.py runs the default kernels, not --deterministic: it does not reach the mode)
+# the switch really routes Gemm::run(fixed) here (else the engine tests below would pass on fixed_gemm)
+OPENINFER_EXP_DET_SKINNY=1 timeout 30 $PT tests/test_gpu_det_skinny.py -k routes_here 2>&1 | tail -1
 left 340 engine && OPENINFER_EXP_DET_SKINNY=1 timeout 220 $PT tests/test_deterministic.py tests/test_gpu_graphs.py \
   tests/test_gpu_drafter.py tests/test_gpu_verify_graphs.py -k deterministic \
   2>&1 | tee $OUT/engine_tests.log | tail -4
