@@ -9,6 +9,7 @@ The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOP
       --variants 'key_warps=0;key_warps=1'
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64,256 --configs=-2,-1,0,1,2,3
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64 --configs=-2,-3
+  python bench/bench_kernels.py --prefill-attention 1024,8192,1024@31744 --model 4b --wgmma 0,1
 """
 from __future__ import annotations
 
@@ -46,6 +47,30 @@ def attention(a, bench) -> list:
                 mb = B * ctx * 8 * 128 * 2 * 2 / 1e6
                 rows.append({"variant": setting, "batch": B, "ctx": ctx, "splits": used, "kv_mb": mb, "us": us})
                 print(f"{setting:24} {B:5d} {ctx:6d} {used:6d} {mb:7.1f} {us:8.2f} {mb * 1e3 / us:7.0f}", flush=True)
+    return rows
+
+
+HEADS = {"0.6b": (16, 8), "4b": (32, 8), "8b": (32, 8), "32b": (64, 8)}  # (query heads, KV heads)
+
+
+def prefill_attention(a, bench) -> list:
+    """A prompt chunk's causal attention (T tokens after a cached prefix; cases T or T@prefix), one launch per layer
+    of 36 in a graph, per kernel: --wgmma 0 the mma.sync kernel, 1 the Hopper wgmma experiment (attention_sm90.cu).
+    TFLOP/s counts the products done by a causal kernel: 4 x 128 x heads per (query row, visible key)."""
+    nH, nKV = HEADS[a.model]
+    rows = []
+    print(f"{'model':5} {'T':>6} {'prefix':>6} {'wgmma':>5} {'ran':>4} {'us/layer':>9} {'TFLOP/s':>8} {'speedup':>8}")
+    for case in a.prefill_attention.split(","):
+        T, prefix = (int(v) for v in case.split("@")) if "@" in case else (int(case), 0)
+        flops = 4 * 128 * nH * (T * prefix + T * (T + 1) // 2)
+        base = None
+        for mode in (int(v) for v in a.wgmma.split(",")):
+            us, ran = bench.prefill_attention(T, prefix, nH, nKV, 36, a.reps, mode)
+            base = base or us
+            rows.append({"model": a.model, "T": T, "prefix": prefix, "wgmma": mode, "ran_wgmma": ran, "us": us,
+                         "tflops": flops / us / 1e6})
+            print(f"{a.model:5} {T:6d} {prefix:6d} {mode:5d} {str(ran):>4} {us:9.2f} {flops / us / 1e6:8.1f} "
+                  f"{base / us:7.2f}x", flush=True)
     return rows
 
 
@@ -102,6 +127,10 @@ def main() -> None:
                     "families (--configs)")
     ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -3 skinny_gemm (wgmma + TMA, 1-64 rows; "
                     "cuBLASLt above), -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
+    ap.add_argument("--prefill-attention", default=None, help="prompt chunk cases T or T@prefix (e.g. 1024,8192,"
+                    "1024@31744): time prefill attention, --wgmma kernels, --model heads")
+    ap.add_argument("--wgmma", default="0,1", help="--prefill-attention: 0 the mma.sync kernel, 1 the wgmma experiment")
+    ap.add_argument("--model", default="4b", help="--prefill-attention: 0.6b, 4b, 8b or 32b heads")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")
     ap.add_argument("--variants", default="", help="--attention (key_warps, cluster_cap), --chain (kernel: 0 auto, 1 CUDA "
@@ -110,6 +139,12 @@ def main() -> None:
     a.rows = a.rows or ("1,2" if a.chain else "1,2,4,8")
     from openinfer import _bench
 
+    if a.prefill_attention:
+        rows = prefill_attention(a, _bench)
+        if a.out:
+            json.dump({"command": f"python bench/bench_kernels.py --prefill-attention {a.prefill_attention} --model "
+                       f"{a.model} --wgmma {a.wgmma}", "rows": rows}, open(a.out, "w"), indent=1)
+        return
     if a.gemm_chain:
         rows = gemm_chain(a, _bench)
         if a.out:

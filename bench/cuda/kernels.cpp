@@ -14,6 +14,7 @@
 #include "../../csrc/gemm/fixed_gemm.h"
 #include "../../csrc/gemm/gemm.h"
 #include "../../csrc/kernels/attention.cuh"
+#include "../../csrc/kernels/attention_sm90.cuh"
 #include "../../csrc/kernels/elementwise.cuh"
 #include "../../csrc/kernels/gemv.cuh"
 #include "../../csrc/kernels/launch.cuh"
@@ -242,4 +243,51 @@ PYBIND11_MODULE(_bench, m) {
      py::arg("reps"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0,
      "(us per launch, splits launched) of decode attention; expected: KV bytes / ~3.5 TB/s once the grid fills the GPU "
      "(batch 1 at 1k context is latency-bound: ~9 us)");
+  m.def("prefill_attention", [](int T, int prefix, int num_heads, int num_kv_heads, int layers, int reps,
+                                int prefill_wgmma) {
+    // Median time (us) of one prompt chunk's attention launch (T tokens at positions prefix .. prefix + T - 1 of one
+    // sequence, causal, unsplit, in items of attn_tokens_per_item tokens as the engine makes them) inside a CUDA graph
+    // of `layers` launches over as many layers of the cache.
+    OI_CHECK(T >= 1 && prefix >= 0 && layers >= 1 && num_kv_heads >= 1 && num_heads % num_kv_heads == 0 &&
+                 num_heads / num_kv_heads <= kAttnMaxRowsPerBlock,
+             "prefill_attention: need T, layers >= 1, prefix >= 0 and a query group of at most "
+                 << kAttnMaxRowsPerBlock << " heads");
+    const int D = 128, ctx = prefix + T, pages = (ctx + 15) / 16, qw = (num_heads + 2 * num_kv_heads) * D;
+    const int group = num_heads / num_kv_heads, per = attn_tokens_per_item(group);
+    const KvLayout kv{layers, num_kv_heads, 16, D};
+    Dev cache((size_t)pages * kv.block_stride() * 2), q((size_t)T * qw * 2), out((size_t)T * num_heads * D * 2);
+    fill_normal(cache.as<bf16>(), (int64_t)(cache.n / 2), 5, 0.f, 1.f, 0);
+    fill_normal(q.as<bf16>(), (int64_t)T * qw, 6, 0.f, 1.f, 0);
+    std::vector<int32_t> bt(pages), pos(T), lens(1, ctx);
+    for (int i = 0; i < pages; ++i) bt[i] = (int32_t)(((int64_t)i * 7919) % pages);  // scattered pages (7919 is prime)
+    for (int t = 0; t < T; ++t) pos[t] = prefix + t;
+    std::vector<AttnWork> work;
+    int max_rows = 1;
+    for (int t0 = 0; t0 < T; t0 += per) {
+      work.push_back(AttnWork{0, t0, std::min(per, T - t0), 0});
+      max_rows = std::max(max_rows, work.back().num_tok * group);
+    }
+    Dev dbt(bt.size() * 4), dpos((size_t)T * 4), dlen(4), dwork(work.size() * sizeof(AttnWork));
+    OI_CUDA_CHECK(cudaMemcpy(dbt.p, bt.data(), bt.size() * 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dpos.p, pos.data(), (size_t)T * 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dlen.p, lens.data(), 4, cudaMemcpyHostToDevice));
+    OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
+    AttnArgs a{};
+    a.q = q.as<bf16>(); a.q_stride = qw; a.kv_cache = cache.as<bf16>(); a.kv = kv;
+    a.block_tables = dbt.as<int32_t>(); a.bt_stride = pages; a.positions = dpos.as<int32_t>();
+    a.context_lens = dlen.as<int32_t>(); a.work = dwork.as<AttnWork>(); a.num_work = (int)work.size(); a.num_tokens = T;
+    a.num_heads = num_heads; a.num_splits = 1; a.max_rows = max_rows; a.out = out.as<bf16>();
+    a.variant.prefill_wgmma = prefill_wgmma;
+    const bool wgmma = prefill_wgmma_takes(a, prefill_wgmma_mode(a.variant));
+    const double us = graph_median_us([&](cudaStream_t st) {
+      for (int l = 0; l < layers; ++l) {
+        a.layer = l;
+        paged_attention(a, st);
+      }
+    }, reps);
+    return py::make_tuple(us / layers, wgmma);
+  }, py::arg("T"), py::arg("prefix"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("layers"), py::arg("reps"),
+     py::arg("prefill_wgmma") = 0,
+     "(us per launch, whether the wgmma kernel ran) of a prompt chunk's attention; prefill_wgmma as "
+     "AttnVariant::prefill_wgmma (0 the mma.sync kernel, 1 the Hopper wgmma kernel where it takes the launch)");
 }

@@ -12,6 +12,7 @@
 #include "../gemm/gemm.h"
 #include "../gemm/skinny_gemm.h"
 #include "../kernels/attention.cuh"
+#include "../kernels/attention_sm90.cuh"
 #include "../kernels/elementwise.cuh"
 #include "../kernels/gemv.cuh"
 #include "../kernels/launch.cuh"
@@ -271,10 +272,10 @@ void bind_ops(py::module_& m) {
           [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& cache, const Arr<int32_t>& block_tables,
              const Arr<int32_t>& qsl, const Arr<int32_t>& context_lens, const Arr<int32_t>& positions, int layer,
              int num_layers, int num_heads, int num_kv_heads, int num_splits, bool key_warps, int cluster_cap,
-             int segment) {
+             int segment, int prefill_wgmma) {
             const int T = (int)positions.size(), B = (int)context_lens.size(), D = 128;
             if (qsl.size() != B + 1) throw std::invalid_argument("paged_attention: query_start_loc must have B + 1 entries");
-            const AttnVariant variant{key_warps, cluster_cap};
+            const AttnVariant variant{key_warps, cluster_cap, prefill_wgmma};
             int max_rows = 1, max_ctx = 0;
             const std::vector<AttnWork> work = attention_work(qsl.data(), B, num_heads / num_kv_heads, &max_rows);
             for (int b = 0; b < B; ++b) max_ctx = std::max(max_ctx, context_lens.at(b));
@@ -294,6 +295,8 @@ void bind_ops(py::module_& m) {
             Dev dcnt(work.size() * num_kv_heads * sizeof(int));
             OI_CUDA_CHECK(cudaMemset(dcnt.p, 0, work.size() * num_kv_heads * sizeof(int)));
             OI_CUDA_CHECK(cudaMemcpy(dwork.p, work.data(), work.size() * sizeof(AttnWork), cudaMemcpyHostToDevice));
+            // NaN-filled: a row the kernel skips cannot pass as an earlier call's result left in reused memory
+            OI_CUDA_CHECK(cudaMemset(dout.p, 0xFF, dout.n));
             AttnArgs a{};
             a.q = dq.as<bf16>();
             a.q_stride = (int)(qkv.size() / std::max(T, 1));
@@ -316,6 +319,9 @@ void bind_ops(py::module_& m) {
             a.counters = dcnt.as<int>();
             a.variant = variant;
             a.segment = segment;
+            if (prefill_wgmma == 2 && !prefill_wgmma_takes(a, 2))
+              throw std::invalid_argument("paged_attention: prefill_wgmma=2 (forced) but the wgmma kernel does not take "
+                                          "this launch (splits, segment, alignment or the device)");
             paged_attention(a, 0);
             OI_CUDA_CHECK(cudaDeviceSynchronize());
             std::vector<int> cnt(work.size() * num_kv_heads);
@@ -326,9 +332,13 @@ void bind_ops(py::module_& m) {
           py::arg("qkv"), py::arg("cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
           py::arg("positions"), py::arg("layer"), py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"),
           py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0, py::arg("segment") = 0,
+          py::arg("prefill_wgmma") = -1,
           "(out, splits used); num_splits <= 0: the launch heuristic; key_warps False: one-warp decode blocks; "
           "cluster_cap > 0: decode clusters of at most that many blocks; segment > 0: chunk-invariant keys in segments of "
-          "that many (AttnArgs::segment), num_splits <= 0 then attn_segment_splits' count");
+          "that many (AttnArgs::segment), num_splits <= 0 then attn_segment_splits' count; prefill_wgmma: "
+          "AttnVariant::prefill_wgmma (-1 the environment switch, 0 off, 1 on, 2 forced: raises where it is refused)");
+  ops.def("prefill_wgmma_device", [] { return prefill_wgmma_device(); },
+          "whether the current device runs the sm_90a wgmma kernels (compute capability 9.0)");
   ops.attr("ATTN_SEGMENT") = kAttnSegment;
   ops.def("sample", [](const Arr<float>& logits, const Arr<float>& temperature, const Arr<float>& top_p,
                        const Arr<int32_t>& top_k, const Arr<uint64_t>& seeds, const Arr<int32_t>& positions,

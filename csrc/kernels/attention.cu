@@ -5,6 +5,7 @@
 
 #include "async_copy.cuh"
 #include "attention.cuh"
+#include "attention_sm90.cuh"
 #include "launch.cuh"
 #include "mma.cuh"
 
@@ -854,6 +855,11 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   OI_CHECK(a.segment == 0 || (a.segment % 64 == 0 && !a.fuse_rope), "paged_attention: segment " << a.segment
            << " must be a multiple of 64 keys, without fuse_rope");
   if (a.num_work == 0) return;
+  // Experiment: prompt chunks through the Hopper wgmma kernel where it takes the launch (attention_sm90.cu).
+  if (const int mode = prefill_wgmma_mode(a.variant); mode > 0 && prefill_wgmma_takes(a, mode)) {
+    prefill_attention_sm90(a, s);
+    return;
+  }
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   const dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
   if (a.segment > 0) {  // chunk-invariant: 64-key tiles whatever the rows; num_splits 1 or >= every item's segments
