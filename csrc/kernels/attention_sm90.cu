@@ -257,7 +257,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma_kernel(const __grid
 
     // Online softmax of this thread's two rows (a row's 128 scores lie in one quad of lanes).
     float mx[2] = {-INFINITY, -INFINITY};
-    if (k0 + kKT - 1 <= warp_min) {  // warp-uniform: the causal interior
+    if (k0 + kKT <= kv_end && k0 + kKT - 1 <= warp_min) {  // warp-uniform: the causal interior, no key past the item
 #pragma unroll
       for (int e = 0; e < 64; ++e) {
         sc[e] *= scale_log2;
@@ -311,6 +311,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_wgmma_kernel(const __grid
     }
     // O += P·V: V is [key][dim] (N-major B); k step kk is keys 16kk.. (2048 bytes on), the halves kHalfBytes apart.
     const uint64_t dv = smem_desc_mn(s_v, kHalfBytes);
+    // the rescaled O and the packed P are register operands of the wgmmas: their writes may not sink below the fence
+    fence_acc(o);
+#pragma unroll
+    for (int kk = 0; kk < kKT / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) asm volatile("" : "+r"(pa[kk][r])::"memory");
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kKT / 16; ++kk) wgmma_rs_n128_tn(o, pa[kk], dv + kk * ((16 * 128) >> 4));
