@@ -1,7 +1,7 @@
-"""The Hopper prefill attention kernel (csrc/kernels/attention_sm90.cu: wgmma, TMA, an experiment behind
-OPENINFER_EXP_PREFILL_WGMMA) against the NumPy fp32 reference and against the mma.sync kernel it would replace.
+"""The Hopper prefill attention kernel (csrc/kernels/attention_sm90.cu: wgmma, TMA; the engine's for prompt
+chunks on compute capability 9.0) against the NumPy fp32 reference and against the mma.sync kernel it replaced.
 
-Written without a GPU. Run it with -x: the first tests are small layout checks whose failure messages name the
+Run it with -x: the first tests are small layout checks whose failure messages name the
 broken piece (the V operand and the output rows; the N-major V descriptor; the K operand, Q layout or the P
 fragments), before the real shapes, which only say that something is wrong.
 
@@ -249,8 +249,8 @@ def test_prefill_long_4b(seq):
     _check(c, new, old, b=0, rows=rows)
 
 
-def test_switch_on_leaves_decode_items_to_the_old_kernels():
-    """prefill_wgmma=1 (the engine's setting when the switch is on) takes items of more than 16 rows only: a
+def test_default_leaves_decode_items_to_the_old_kernels():
+    """prefill_wgmma=1 (the engine's default) takes items of more than 16 rows only: a
     decode-only launch (4 rows per item) is the mma.sync path's, bit for bit; a mixed launch is the wgmma kernel's
     (max_rows > 16), as forced."""
     nH, nKV = SHAPES["4b"]

@@ -332,11 +332,11 @@ void bind_ops(py::module_& m) {
           py::arg("qkv"), py::arg("cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
           py::arg("positions"), py::arg("layer"), py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"),
           py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0, py::arg("segment") = 0,
-          py::arg("prefill_wgmma") = -1,
+          py::arg("prefill_wgmma") = 1,
           "(out, splits used); num_splits <= 0: the launch heuristic; key_warps False: one-warp decode blocks; "
           "cluster_cap > 0: decode clusters of at most that many blocks; segment > 0: chunk-invariant keys in segments of "
           "that many (AttnArgs::segment), num_splits <= 0 then attn_segment_splits' count; prefill_wgmma: "
-          "AttnVariant::prefill_wgmma (-1 the environment switch, 0 off, 1 on, 2 forced: raises where it is refused)");
+          "AttnVariant::prefill_wgmma (0 off, 1 on where it takes the launch, 2 forced: raises where it is refused)");
   ops.def("prefill_wgmma_device", [] { return prefill_wgmma_device(); },
           "whether the current device runs the sm_90a wgmma kernels (compute capability 9.0)");
   ops.attr("ATTN_SEGMENT") = kAttnSegment;

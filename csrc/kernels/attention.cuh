@@ -21,10 +21,10 @@ struct AttnWork {
 struct AttnVariant {
   bool key_warps = true;  // decode blocks of kAttnKeyWarps warps splitting the keys, where clusters exist
   int cluster_cap = 0;    // > 0: decode clusters of at most this many blocks (0: the device's limit)
-  // Prompt chunks on Hopper through the wgmma kernel (attention_sm90.cu, an experiment): -1 as the environment
-  // switch OPENINFER_EXP_PREFILL_WGMMA says (off unless 1), 0 off, 1 on where it takes the launch, 2 forced also
-  // for items of up to 16 rows (layout tests; the caller checks prefill_wgmma_takes first).
-  int prefill_wgmma = -1;
+  // Prompt chunks on Hopper through the wgmma kernel (attention_sm90.cu): 1 where it takes the launch (the default),
+  // 0 off (the mma.sync kernel: A/B and reference tests), 2 forced also for items of up to 16 rows (layout tests; the
+  // caller checks prefill_wgmma_takes first).
+  int prefill_wgmma = 1;
 };
 
 struct AttnArgs {

@@ -1,6 +1,6 @@
-// Prefill attention on Hopper (sm_90a) with warpgroup MMA: prompt chunks of the paged KV cache, an experiment beside
-// paged_attention's mma.sync kernel (attention.cu), which runs them at ~100 TFLOP/s (4B, 1,024-token chunk: 89 us a
-// layer on an H200) while the GEMMs run at ~700.
+// Prefill attention on Hopper (sm_90a) with warpgroup MMA: prompt chunks of the paged KV cache, in place of
+// paged_attention's mma.sync kernel (attention.cu), which runs them at ~140-210 TFLOP/s against this one's ~250-450
+// (4B on an H100, 2026-12-07: 1,024-token chunk 60 -> 35 us a layer, 8,192 2.66 -> 1.28 ms).
 //
 //  - Block: one work item (up to 128 query rows = tokens x the group's heads, as attention_work makes them) x one KV
 //    head, unsplit: every key of the item's causal range, 0 .. the last row's position. Items longest first, as the
@@ -27,12 +27,10 @@
 // fuse_rope or own_keys_below, head_dim 128, block_size 16, 16-byte aligned q rows, on a compute capability 9.0
 // device; items of more than 16 rows (max_rows > 16: prompt chunks and verify rows) unless forced (variant 2).
 // Positions must rise along an item (the last row's is its largest), as in attention.cu.
-// Written without a GPU: compiled for sm_90a, not yet run; tests/test_gpu_prefill_wgmma.py checks it.
+// Tests: tests/test_gpu_prefill_wgmma.py (layouts with exact answers, model shapes, prefixes, several sequences, 32k).
 #include <algorithm>
 #include <climits>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -382,15 +380,6 @@ CUtensorMap kv_map(const AttnArgs& a) {
 }
 
 }  // namespace
-
-int prefill_wgmma_mode(const AttnVariant& v) {
-  if (v.prefill_wgmma >= 0) return v.prefill_wgmma;
-  static const int env = [] {
-    const char* e = std::getenv("OPENINFER_EXP_PREFILL_WGMMA");
-    return e && std::strcmp(e, "1") == 0 ? 1 : 0;
-  }();
-  return env;
-}
 
 bool prefill_wgmma_device() { return sm90_device(); }
 

@@ -1,14 +1,13 @@
-// Prefill attention on Hopper (sm_90a) with warpgroup MMA (attention_sm90.cu): an experiment that paged_attention()
-// reaches for prompt chunks when AttnVariant::prefill_wgmma (or OPENINFER_EXP_PREFILL_WGMMA=1) asks and the launch is
-// one it takes; everything else keeps attention.cu's kernels.
+// Prefill attention on Hopper (sm_90a) with warpgroup MMA (attention_sm90.cu): paged_attention() reaches for it for
+// prompt chunks where the launch is one it takes (AttnVariant::prefill_wgmma 1, the default); everything else keeps
+// attention.cu's kernels.
 #pragma once
 #include "attention.cuh"
 
 namespace oi {
 
-// What AttnVariant::prefill_wgmma asks for: 0 off, 1 on, 2 forced also for items of up to 16 rows; -1 resolves to the
-// environment switch OPENINFER_EXP_PREFILL_WGMMA (1: on; read once per process).
-int prefill_wgmma_mode(const AttnVariant& v);
+// What AttnVariant::prefill_wgmma asks for: 0 off, 1 on (the default), 2 forced also for items of up to 16 rows.
+inline int prefill_wgmma_mode(const AttnVariant& v) { return v.prefill_wgmma; }
 
 // Whether the current device runs the kernel at all (compute capability 9.0).
 bool prefill_wgmma_device();
