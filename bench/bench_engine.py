@@ -46,8 +46,10 @@ def provenance() -> dict:
                              text=True).stdout.strip()
     except OSError:
         gpu = ""
+    # experiment switches (OPENINFER_EXP_*, read by the engine): two runs of one command differ by these alone
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OPENINFER_EXP_")}
     return {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "commit": commit,
-            "machine": {"gpu": gpu, "host": platform.node()}}
+            "machine": {"gpu": gpu, "host": platform.node()}, "switches": switches}
 
 
 def option_settings(options: str) -> list[tuple[str, dict]]:

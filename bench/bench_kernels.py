@@ -10,6 +10,7 @@ The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOP
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64,256 --configs=-2,-1,0,1,2,3
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64 --configs=-2,-3
   python bench/bench_kernels.py --prefill-attention 1024,8192,1024@31744 --model 4b --wgmma 0,1
+  python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,32,64,256,1024 --configs=-2,-1,-4
 """
 from __future__ import annotations
 
@@ -97,8 +98,8 @@ def chain(a, bench) -> list:
 
 def gemm_chain(a, bench) -> list:
     """A decode step's GEMMs (the four projections x all layers, one graph) per model, row count and GEMM:
-    cuBLASLt (-2) against skinny_gemm (-3: wgmma + TMA, 1-64 rows) and the batch-invariant kernel's families (-1: as
-    its launcher picks)."""
+    cuBLASLt (-2) against skinny_gemm (-3: wgmma + TMA, 1-64 rows), the engine's batch-invariant path (-1:
+    skinny_gemm's invariant mode), fixed_gemm as its launcher picks (-4) and its families (0-3)."""
     rows = []
     print(f"{'model':6} {'M':>4} {'config':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
     for model in a.gemm_chain.split(","):
@@ -125,11 +126,12 @@ def main() -> None:
     ap.add_argument("--gemm-chain", default=None, help="models (4b,8b,32b) or SHAPES names (one projection 36 times): "
                     "time a step's GEMMs in a graph, cuBLASLt against skinny_gemm and the batch-invariant GEMM's "
                     "families (--configs)")
-    ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -3 skinny_gemm (wgmma + TMA, 1-64 rows; "
-                    "cuBLASLt above), -2 cuBLASLt, -1 fixed_gemm's pick, 0-3 a family")
+    ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -4 fixed_gemm's pick, -3 skinny_gemm (wgmma + TMA, "
+                    "1-64 rows; cuBLASLt above), -2 cuBLASLt, -1 the engine's batch-invariant path (skinny_gemm's "
+                    "invariant mode, fixed_gemm where it refuses), 0-3 a fixed_gemm family")
     ap.add_argument("--prefill-attention", default=None, help="prompt chunk cases T or T@prefix (e.g. 1024,8192,"
                     "1024@31744): time prefill attention, --wgmma kernels, --model heads")
-    ap.add_argument("--wgmma", default="0,1", help="--prefill-attention: 0 the mma.sync kernel, 1 the wgmma experiment")
+    ap.add_argument("--wgmma", default="0,1", help="--prefill-attention: 0 the mma.sync kernel, 1 the wgmma kernel (the engine's)")
     ap.add_argument("--model", default="4b", help="--prefill-attention: 0.6b, 4b, 8b or 32b heads")
     ap.add_argument("--splits", default="0", help="split counts for --attention (0: the launch heuristic)")
     ap.add_argument("--pdl", default="1", help="--chain: programmatic dependent launch settings to time (1,0)")

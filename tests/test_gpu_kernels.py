@@ -71,6 +71,12 @@ def test_gemm(model, M):
         assert rel_err(f32(got), want + f32(y0)) < TOL["bf16_gemm"], (N, K)
 
 
+def _fixed(config=None):
+    """fixed_gemm itself (its own pick of family, or `config`), not the engine's batch-invariant path, which sends
+    the shapes skinny_gemm's invariant mode takes there (tests/test_gpu_det_skinny.py tests that mode)."""
+    return dict(fixed=True, config=ops().GEMM_FIXED if config is None else config)
+
+
 @pytest.mark.parametrize("model", ["4b", "8b", "32b"])
 def test_fixed_gemm_rows_do_not_depend_on_m(model):
     """The batch-invariant GEMM (--deterministic): every row of a call equals the same row computed in a call
@@ -83,20 +89,20 @@ def test_fixed_gemm_rows_do_not_depend_on_m(model):
     for N, K in GEMMS[model]:
         x, w = rand_bf16(rng, (max(Ms), K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
         y0 = rand_bf16(rng, (max(Ms), N))
-        full = ops().gemm(x, w, max(Ms), N, K, None, False, fixed=True)
-        full_acc = ops().gemm(x, w, max(Ms), N, K, y0, False, fixed=True)
+        full = ops().gemm(x, w, max(Ms), N, K, None, False, **_fixed())
+        full_acc = ops().gemm(x, w, max(Ms), N, K, y0, False, **_fixed())
         assert rel_err(f32(full[-64:]), f32(x[-64:]) @ f32(w).T) < TOL["bf16_gemm"], (N, K)
         assert rel_err(f32(full_acc[-64:]), f32(x[-64:]) @ f32(w).T + f32(y0[-64:])) < TOL["bf16_gemm"], (N, K)
         for M in Ms[:-1]:
-            part = ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True)  # the last M rows, alone
+            part = ops().gemm(x[-M:], w, M, N, K, None, False, **_fixed())  # the last M rows, alone
             np.testing.assert_array_equal(part, full[-M:], err_msg=f"N={N} K={K} M={M}")
-            part = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, fixed=True)
+            part = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, **_fixed())
             np.testing.assert_array_equal(part, full_acc[-M:], err_msg=f"N={N} K={K} M={M}, residual")
         for config in range(ops().FIXED_GEMM_CONFIGS):
             for M in (3, 12, 80):
-                got = ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True, config=config)
+                got = ops().gemm(x[-M:], w, M, N, K, None, False, **_fixed(config=config))
                 np.testing.assert_array_equal(got, full[-M:], err_msg=f"N={N} K={K} M={M} config {config}")
-                got = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, fixed=True, config=config)
+                got = ops().gemm(x[-M:], w, M, N, K, y0[-M:], False, **_fixed(config=config))
                 np.testing.assert_array_equal(got, full_acc[-M:], err_msg=f"N={N} K={K} M={M} config {config}, residual")
 
 
@@ -108,15 +114,15 @@ def test_fixed_gemm_awkward_shapes(N, K):
     rng = np.random.default_rng(N + K)
     x, w = rand_bf16(rng, (300, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
     y0 = rng.standard_normal((300, N)).astype(np.float32)
-    full = ops().gemm(x, w, 300, N, K, None, False, fixed=True)
+    full = ops().gemm(x, w, 300, N, K, None, False, **_fixed())
     assert rel_err(f32(full), f32(x) @ f32(w).T) < TOL["bf16_gemm"]
-    logits = ops().gemm(x, w, 300, N, K, y0, True, fixed=True)
+    logits = ops().gemm(x, w, 300, N, K, y0, True, **_fixed())
     np.testing.assert_allclose(logits, f32(x) @ f32(w).T + y0, rtol=1e-4, atol=1e-4)
     for M in (1, 5, 17, 64, 65, 299):
-        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, None, False, fixed=True), full[-M:])
-        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, y0[-M:], True, fixed=True), logits[-M:])
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, None, False, **_fixed()), full[-M:])
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, N, K, y0[-M:], True, **_fixed()), logits[-M:])
     for config in range(ops().FIXED_GEMM_CONFIGS):
-        np.testing.assert_array_equal(ops().gemm(x, w, 300, N, K, None, False, fixed=True, config=config), full)
+        np.testing.assert_array_equal(ops().gemm(x, w, 300, N, K, None, False, **_fixed(config=config)), full)
 
 
 def test_fixed_gemm_fp32_logits_do_not_depend_on_m():
@@ -125,10 +131,10 @@ def test_fixed_gemm_fp32_logits_do_not_depend_on_m():
     rng = np.random.default_rng(3)
     K = 2560
     x, w = rand_bf16(rng, (64, K)), rand_bf16(rng, (V, K), 1.0 / np.sqrt(K))
-    many = ops().gemm(x, w, 64, V, K, None, True, fixed=True)
+    many = ops().gemm(x, w, 64, V, K, None, True, **_fixed())
     assert many.dtype == np.float32 and rel_err(many, f32(x) @ f32(w).T) < TOL["bf16_gemm"]
     for M in (1, 7):
-        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, V, K, None, True, fixed=True), many[-M:])
+        np.testing.assert_array_equal(ops().gemm(x[-M:], w, M, V, K, None, True, **_fixed()), many[-M:])
 
 
 def test_gemm_fp32_out_lm_head():

@@ -116,10 +116,12 @@ PYBIND11_MODULE(_bench, m) {
      "expected: ~90% of weight bytes / 4.21 TB/s at M = 1 and 2 (4B chain 2.8 MB per layer)");
   m.def("gemm_chain", [](int M, const std::vector<std::array<int, 2>>& shapes, int layers, int reps, int config) {
     // Median graph-replay time (us) of `layers` repetitions of the GEMMs `shapes` ((N, K) each, every layer
-    // its own weights) at M rows: config -3 skinny_gemm (wgmma + TMA, 1-64 rows; cuBLASLt where it refuses a shape),
-    // -2 cuBLASLt, -1 fixed_gemm as the launcher picks, >= 0 that family.
+    // its own weights) at M rows: config -4 fixed_gemm as its launcher picks, -3 skinny_gemm (wgmma + TMA, 1-64 rows;
+    // cuBLASLt where it refuses a shape), -2 cuBLASLt, -1 the engine's batch-invariant path (skinny_gemm's invariant
+    // mode; fixed_gemm where it refuses a shape), >= 0 that fixed_gemm family.
     OI_CHECK(M >= 1 && layers >= 1 && !shapes.empty(), "gemm_chain: need M >= 1, layers >= 1 and a shape");
-    OI_CHECK(config >= kGemmSkinny && config < kFixedGemmConfigs, "gemm_chain: config " << config);
+    OI_CHECK(config >= kGemmFixed && config < kFixedGemmConfigs, "gemm_chain: config " << config);
+    const bool fixed = config > -2 || config == kGemmFixed;
     size_t per_layer = 0, max_k = 0, max_n = 0;
     for (const auto& sh : shapes) {
       per_layer += (size_t)sh[0] * sh[1];
@@ -136,13 +138,13 @@ PYBIND11_MODULE(_bench, m) {
       const bf16* W = w.as<bf16>();
       for (int l = 0; l < layers; ++l)
         for (const auto& sh : shapes) {
-          gm.run(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, config > -2, config);
+          gm.run(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, fixed, config);
           W += (size_t)sh[0] * sh[1];
         }
     }, reps);
   }, py::arg("M"), py::arg("shapes"), py::arg("layers"), py::arg("reps"), py::arg("config") = -2,
-     "one decode step's GEMMs in a graph (no RMSNorm, SiLU or attention): skinny_gemm (-3), cuBLASLt (-2) or a "
-     "fixed_gemm family");
+     "one decode step's GEMMs in a graph (no RMSNorm, SiLU or attention): skinny_gemm's invariant mode (-4), "
+     "skinny_gemm (-3), cuBLASLt (-2) or a fixed_gemm family");
   m.def("linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {
     // Median time (us) of one linear layer with a cold L2: the weights rotate over >= 256 MB of copies.
     const size_t wbytes = (size_t)N * K * 2;

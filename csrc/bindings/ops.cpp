@@ -116,12 +116,14 @@ void bind_ops(py::module_& m) {
     return py::array(dy.get<uint16_t>({M, N}));
   }, py::arg("x"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("y_init"), py::arg("out_f32"),
      py::arg("fixed") = false, py::arg("config") = -1,
-     "Y = X Wᵀ (+ y_init); fixed: the batch-invariant kernel (rows do not depend on M), config >= 0 forcing its tile "
-     "family");
+     "Y = X Wᵀ (+ y_init); fixed: the batch-invariant path (rows do not depend on M: skinny_gemm's invariant mode where "
+     "it takes the shape, else fixed_gemm), config GEMM_FIXED forcing fixed_gemm's pick, >= 0 one of its families");
   ops.attr("FIXED_GEMM_CONFIGS") = kFixedGemmConfigs;
   ops.attr("GEMM_SKINNY") = kGemmSkinny;
+  ops.attr("GEMM_FIXED") = kGemmFixed;
   ops.def("skinny_gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init,
-                            bool out_f32, bool silu_up, int splits, int graph_replays) -> py::object {
+                            bool out_f32, bool silu_up, int splits, int graph_replays, bool invariant) -> py::object {
+    if (invariant && splits != 0) throw std::invalid_argument("skinny_gemm: the invariant mode's splits are its own");
     const int ncols = silu_up ? N / 2 : N;
     const size_t ob = (size_t)M * ncols * (out_f32 ? 4 : 2);
     Dev dx(x), dw(w), dy(ob), dy0(ob);
@@ -134,7 +136,11 @@ void bind_ops(py::module_& m) {
       OI_CUDA_CHECK(cudaMemset(dy0.p, 0xFF, ob));
     }
     OI_CUDA_CHECK(cudaMemcpy(dy.p, dy0.p, ob, cudaMemcpyDeviceToDevice));
-    if (!skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, 0, silu_up, splits)) return py::none();
+    auto call = [&](cudaStream_t st) {
+      return invariant ? skinny_gemm_invariant(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up)
+                       : skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up, splits);
+    };
+    if (!call(0)) return py::none();
     OI_CUDA_CHECK(cudaDeviceSynchronize());
     auto fetch = [&]() { return out_f32 ? py::array(dy.get<float>({M, ncols})) : py::array(dy.get<uint16_t>({M, ncols})); };
     py::array eager = fetch();
@@ -147,7 +153,7 @@ void bind_ops(py::module_& m) {
     OI_CUDA_CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
     try {
       OI_CUDA_CHECK(cudaMemcpyAsync(dy.p, dy0.p, ob, cudaMemcpyDeviceToDevice, st));
-      skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up, splits);
+      call(st);
     } catch (...) {
       cudaStreamEndCapture(st, &graph);
       if (graph) cudaGraphDestroy(graph);
@@ -164,16 +170,20 @@ void bind_ops(py::module_& m) {
     cudaStreamDestroy(st);
     return py::make_tuple(eager, fetch());
   }, py::arg("x"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("y_init"), py::arg("out_f32"),
-     py::arg("silu_up") = false, py::arg("splits") = 0, py::arg("graph_replays") = 0,
+     py::arg("silu_up") = false, py::arg("splits") = 0, py::arg("graph_replays") = 0, py::arg("invariant") = false,
      "skinny_gemm: Y = X Wᵀ (+ y_init; silu_up: SiLU(gate)·up of W = [gate; up], [M, N / 2]); None where it refuses "
-     "the shape; splits forces the K splits; graph_replays > 0: (eager, the same call replayed in a CUDA graph)");
-  ops.def("skinny_gemm_splits", [](int M, int N, int K, bool silu_up, int splits) {
+     "the shape; splits forces the K splits; graph_replays > 0: (eager, the same call replayed in a CUDA graph); "
+     "invariant: the batch-invariant mode (skinny_gemm_invariant: any M, rows independent of M)");
+  ops.def("skinny_gemm_splits", [](int M, int N, int K, bool silu_up, int splits, bool invariant) {
     int dev = 0, sms = 0;
     OI_CUDA_CHECK(cudaGetDevice(&dev));
     OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-    return py::dict(py::arg("splits") = skinny_gemm_splits(M, N, K, silu_up, splits), py::arg("num_sms") = sms);
+    const int s = invariant ? skinny_gemm_invariant_splits(N, K, silu_up) : skinny_gemm_splits(M, N, K, silu_up, splits);
+    return py::dict(py::arg("splits") = s, py::arg("num_sms") = sms);
   }, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("silu_up") = false, py::arg("splits") = 0,
-     "the K splits skinny_gemm launches for this shape (0: refused) and the device's SM count");
+     py::arg("invariant") = false,
+     "the K splits skinny_gemm launches for this shape (0: refused; invariant: the batch-invariant mode's, which "
+     "ignore M) and the device's SM count");
   ops.def("skinny_gemm_chain", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w1, const Arr<uint16_t>& w2, int M, int N1,
                                   int K, int N2, int mode) {
     // h = x·w1ᵀ [M, N1]; o = h·w2ᵀ [M, N2]; o += h·w2ᵀ: each launch reads what the one before wrote (X, then Y).

@@ -14,6 +14,7 @@ namespace oi {
 struct LtApi;
 
 constexpr int kGemmSkinny = -3;  // Gemm::run's config for skinny_gemm (not `fixed`)
+constexpr int kGemmFixed = -4;   // Gemm::run(fixed)'s config for fixed_gemm's own pick (tests, A/B)
 
 class Gemm {
  public:
@@ -23,10 +24,11 @@ class Gemm {
   Gemm& operator=(const Gemm&) = delete;
 
   // accumulate: Y += X·Wᵀ (the residual add rides in the epilogue); out_f32: Y is fp32 (logits).
-  // fixed: the batch-invariant kernel (fixed_gemm.h) instead, whose rows do not depend on M (--deterministic).
-  // config: fixed_gemm's kernel family (-1: by M and N; tests force each). Without `fixed`, skinny_gemm
-  // (skinny_gemm.h) takes what it can of up to kSkinnyEngineRows rows, cuBLASLt the rest; kGemmSkinny sends any
-  // shape skinny_gemm takes (1-64 rows) to it, for A/B runs (bench gemm_chain, tests).
+  // fixed: a batch-invariant kernel instead, whose rows do not depend on M (--deterministic): skinny_gemm's
+  // invariant mode (skinny_gemm.h, sm_90) where it takes the shape, whatever M is, else fixed_gemm (fixed_gemm.h);
+  // config kGemmFixed forces fixed_gemm's own pick and >= 0 one of its families (tests, A/B). Without `fixed`,
+  // skinny_gemm takes what it can of up to kSkinnyEngineRows rows, cuBLASLt the rest; kGemmSkinny sends any shape
+  // skinny_gemm takes (1-64 rows) to it, for A/B runs (bench gemm_chain, tests).
   void run(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32, cudaStream_t s,
            bool fixed = false, int config = -1);
   // While on, a new shape with M <= 512 times the heuristic's candidates on the buffers it is given and

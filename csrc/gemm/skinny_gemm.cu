@@ -22,9 +22,14 @@
 //  - PDL: the copy warp requests the first stages' weights before griddepcontrol.wait (no kernel writes them), the
 //    inputs only after it; the epilogue (which reads Y to accumulate and writes Y) runs after every thread's wait.
 //  - Epilogues: bf16 store, residual add (Y += X·Wᵀ in fp32, rounded once), fp32 out (lm_head), SiLU·up.
+//  - Batch-invariant mode (skinny_gemm_invariant, --deterministic, an experiment): the MP = 64 kernel for every M, a
+//    grid dimension over 64-row chunks, a 64-row input box whose rows past M the copy engine fills with zeros, and
+//    the split count from (N, K) alone. A row's outputs then take the same wgmma steps over the same K ranges and the
+//    same split sum whatever M is (skinny_gemm.h states what is assumed of the hardware).
 // Not measured yet (written without a GPU): see tests/test_gpu_skinny_gemm.py and `bench_kernels.py --gemm-chain
 // ... --configs=-2,-3` for the A/B against cuBLASLt.
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -62,6 +67,7 @@ struct Params {
   int kblocks;  // ceil(K / 64)
   int splits;   // K splits per tile = the cluster size
   int flags;    // kSiluFlag | kAccFlag | kF32Flag
+  int xbox;     // input rows per stage box: M (plain mode, M <= 64) or 64 (invariant mode: rows past M zero-filled)
 };
 
 // ---- device helpers (sm_90a; left out of other architectures' passes, where the kernel is a stub; the wgmma, TMA
@@ -168,8 +174,10 @@ __device__ __forceinline__ void store4(const Params& p, int m, int tile, int c, 
 
 #endif  // device helpers
 
-// grid (S, tiles), cluster (S, 1, 1): block (split, tile) multiplies tile `tile`'s 128 weight rows over the split's
-// K blocks [kblocks * split / S, kblocks * (split + 1) / S).
+// grid (S, chunks, tiles), cluster (S, 1, 1): block (split, chunk, tile) multiplies tile `tile`'s 128 weight rows by
+// input rows [MP * chunk, MP * chunk + MP) over the split's K blocks [kblocks * split / S, kblocks * (split + 1) / S).
+// The plain mode has one chunk; the invariant mode (MP = 64) ceil(M / 64), the splits of one tile's chunks next to
+// each other in launch order so that the tile's weights are read from HBM about once and from L2 by the other chunks.
 template <int MP>
 __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_constant__ CUtensorMap tm_w,
                                                                const __grid_constant__ CUtensorMap tm_x,
@@ -184,7 +192,8 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t w_ring = base, x_ring = base + ST * C::kWBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int S = p.splits, split = blockIdx.x, tile = blockIdx.y;  // split == the block's rank in its cluster
+  const int S = p.splits, split = blockIdx.x, tile = blockIdx.z;  // split == the block's rank in its cluster
+  const int m0 = (int)blockIdx.y * MP, rows = min(MP, p.M - m0);   // this chunk's input rows
   const int kb0 = (int)((long)p.kblocks * split / S), nk = (int)((long)p.kblocks * (split + 1) / S) - kb0;
   const bool silu_up = p.flags & kSiluFlag;
   // The two 64-row weight blocks: consecutive rows, or gate rows and their up rows (I = N / 2 further).
@@ -204,11 +213,12 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
     // Copy warp. Stage i of the split holds K block kb0 + i in ring slot i % ST; its full barrier expects the weight
     // and input bytes together, so the weights of the first ST stages can go out before the PDL wait (no kernel
     // writes them) and the inputs after it (the previous kernel writes X). Every box starts inside its tensor (the
-    // launcher asks for N, K >= 64; the input box is M rows): a last half tile past N is not loaded, and input rows
-    // M..MP-1 of a slot keep stale bytes, which reach only accumulator columns that are never stored (a column of
-    // the product depends on that input row alone).
+    // launcher asks for N, K >= 64; the input box is M rows, or 64 from row m0 < M): a last half tile past N is not
+    // loaded; in the plain mode input rows M..MP-1 of a slot keep stale bytes, which reach only accumulator columns
+    // that are never stored (a column of the product depends on that input row alone), and in the invariant mode the
+    // copy engine writes zeros for rows past M (and counts them in the stage's bytes).
     const bool second = row1 < p.N;
-    const uint32_t stage_bytes = kHalfBytes * (second ? 2 : 1) + (uint32_t)p.M * kBK * 2;
+    const uint32_t stage_bytes = kHalfBytes * (second ? 2 : 1) + (uint32_t)p.xbox * kBK * 2;
     const int pre = min(ST, nk);
     uint64_t policy = 0;
     auto load_w = [&](int i, int s) {
@@ -227,13 +237,13 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
     pdl_wait();
     pdl_trigger();
     if (lane == 0) {
-      for (int i = 0; i < pre; ++i) tma_load(x_ring + i * C::kXBytes, &tm_x, (kb0 + i) * kBK, 0, &full[i]);
+      for (int i = 0; i < pre; ++i) tma_load(x_ring + i * C::kXBytes, &tm_x, (kb0 + i) * kBK, m0, &full[i]);
       for (int i = pre; i < nk; ++i) {
         const int s = i % ST;
         mbar_wait(&empty[s], ((i / ST) - 1) & 1);  // the multiplies of stage i - ST have read the slot
         mbar_expect_tx(&full[s], stage_bytes);
         load_w(i, s);
-        tma_load(x_ring + s * C::kXBytes, &tm_x, (kb0 + i) * kBK, 0, &full[s]);
+        tma_load(x_ring + s * C::kXBytes, &tm_x, (kb0 + i) * kBK, m0, &full[s]);
       }
     }
     __syncwarp();
@@ -289,13 +299,13 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
   else
     __syncthreads();
   const int upm = silu_up ? 16 : kBN / 4;  // units per input row
-  const int total = p.M * upm, per = (total + S - 1) / S, u1 = min(total, (split + 1) * per);
+  const int total = rows * upm, per = (total + S - 1) / S, u1 = min(total, (split + 1) * per);
   for (int u = split * per + (int)threadIdx.x; u < u1; u += kThreads) {
     const int m = u / upm, c = (u % upm) * 4;
     const uint32_t a = base + (uint32_t)(m * kRedPitch + c) * 4;
     const float4 v = sum_splits(a, S);
     const float4 up = silu_up ? sum_splits(a + 64 * 4, S) : v;
-    store4(p, m, tile, c, v, up);
+    store4(p, m0 + m, tile, c, v, up);
   }
   if (S > 1) cluster_sync_relaxed();  // no block leaves while another may still read its partial
 #else
@@ -408,14 +418,17 @@ int max_splits_for(int MP) {
   }
 }
 
-bool takes(const bf16* X, const bf16* W, const void* Y, int M, int N, int K, bool accumulate, bool out_f32,
-           bool silu_up) {
+// Everything but the row count (the invariant mode's answer must not depend on M).
+bool takes_shape(const bf16* X, const bf16* W, const void* Y, int N, int K, bool accumulate, bool out_f32,
+                 bool silu_up) {
   const auto aligned = [](const void* q) { return reinterpret_cast<uintptr_t>(q) % 16 == 0; };
-  if (M < 1 || M > kSkinnyMaxRows || N < 64 || K < kBK || N % 8 != 0 || K % 8 != 0) return false;
+  if (N < 64 || K < kBK || N % 8 != 0 || K % 8 != 0) return false;
   if (!aligned(X) || !aligned(W) || !aligned(Y)) return false;
   if (silu_up && (accumulate || out_f32)) return false;
   return device_info().hopper;
 }
+
+int tiles_of(int N, bool silu_up) { return silu_up ? (N / 2 + 63) / 64 : (N + kBN - 1) / kBN; }
 
 // Splits per tile: forced (clamped), or the smallest power of two that gives every SM a block (at most 8: a portable
 // cluster; 4B o and down 20 tiles x 8, qkv 48 x 4, gate_up and lm_head 1). Never more than the K blocks.
@@ -431,26 +444,25 @@ int splits_for(int tiles, int kblocks, int MP, int forced) {
 }
 
 template <int MP>
-void launch(const CUtensorMap& tw, const CUtensorMap& tx, const Params& p, int tiles, cudaStream_t s) {
+void launch(const CUtensorMap& tw, const CUtensorMap& tx, const Params& p, int chunks, int tiles, cudaStream_t s) {
   const cudaLaunchAttribute clu = cluster_attr(p.splits);
-  OI_CUDA_CHECK(launch_kernel(true, skinny_gemm_kernel<MP>, dim3(p.splits, tiles), dim3(kThreads), Cfg<MP>::kSmem, s,
-                              p.splits > 1 ? &clu : nullptr, tw, tx, p));
+  OI_CUDA_CHECK(launch_kernel(true, skinny_gemm_kernel<MP>, dim3(p.splits, chunks, tiles), dim3(kThreads),
+                              Cfg<MP>::kSmem, s, p.splits > 1 ? &clu : nullptr, tw, tx, p));
 }
 
-}  // namespace
-
-int skinny_gemm_splits(int M, int N, int K, bool silu_up, int splits) {
-  if (M < 1 || M > kSkinnyMaxRows || N < 64 || K < kBK || N % 8 != 0 || K % 8 != 0 || !device_info().hopper) return 0;
-  const int tiles = silu_up ? (N / 2 + 63) / 64 : (N + kBN - 1) / kBN;
-  return splits_for(tiles, (K + kBK - 1) / kBK, padded_rows(M), splits);
+// The invariant mode's splits: the plain rule with a fixed SM count instead of the device's, so that the split count,
+// and with it every output bit, is a function of (N, K) alone (the same on a 132-SM H100 or H200 and a 114-SM H100
+// PCIe). 4B: qkv 48 tiles x 4, o and down 20 x 8, gate_up 152 x 1; 8B o and down 32 x 8; 32B qkv 80 x 2, o and
+// down 40 x 4; every gate_up and the lm_head 1.
+constexpr int kInvariantFill = 132;
+int invariant_splits(int N, int K, bool silu_up) {
+  const int tiles = tiles_of(N, silu_up), kblocks = (K + kBK - 1) / kBK;
+  int s = 1;
+  while (s < kSkinnyMaxSplits && tiles * s < kInvariantFill) s *= 2;
+  return std::min(s, kblocks);
 }
 
-bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
-                 cudaStream_t s, bool silu_up, int splits) {
-  if (!takes(X, W, Y, M, N, K, accumulate, out_f32, silu_up)) return false;
-  const int MP = padded_rows(M);
-  const int tiles = silu_up ? (N / 2 + 63) / 64 : (N + kBN - 1) / kBN;
-  OI_CHECK(tiles <= 65535, "skinny_gemm: N = " << N << " is more tiles than a grid holds");
+Params make_params(void* Y, int M, int N, int K, bool accumulate, bool out_f32, bool silu_up) {
   Params p{};
   p.Y = Y;
   p.M = M;
@@ -458,15 +470,57 @@ bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, boo
   p.K = K;
   p.kblocks = (K + kBK - 1) / kBK;
   p.flags = (silu_up ? kSiluFlag : 0) | (accumulate ? kAccFlag : 0) | (out_f32 ? kF32Flag : 0);
+  return p;
+}
+
+}  // namespace
+
+int skinny_gemm_splits(int M, int N, int K, bool silu_up, int splits) {
+  if (M < 1 || M > kSkinnyMaxRows || N < 64 || K < kBK || N % 8 != 0 || K % 8 != 0 || !device_info().hopper) return 0;
+  return splits_for(tiles_of(N, silu_up), (K + kBK - 1) / kBK, padded_rows(M), splits);
+}
+
+bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
+                 cudaStream_t s, bool silu_up, int splits) {
+  if (M < 1 || M > kSkinnyMaxRows || !takes_shape(X, W, Y, N, K, accumulate, out_f32, silu_up)) return false;
+  const int MP = padded_rows(M);
+  const int tiles = tiles_of(N, silu_up);
+  OI_CHECK(tiles <= 65535, "skinny_gemm: N = " << N << " is more tiles than a grid holds");
+  Params p = make_params(Y, M, N, K, accumulate, out_f32, silu_up);
+  p.xbox = M;
   const CUtensorMap tw = tensor_map(W, N, K, 64, true, s);  // first: a miss under capture stops here, with a message
   const CUtensorMap tx = tensor_map(X, M, K, M, false, s);
   p.splits = splits_for(tiles, p.kblocks, MP, splits);
   switch (MP) {
-    case 8: launch<8>(tw, tx, p, tiles, s); break;
-    case 16: launch<16>(tw, tx, p, tiles, s); break;
-    case 32: launch<32>(tw, tx, p, tiles, s); break;
-    default: launch<64>(tw, tx, p, tiles, s); break;
+    case 8: launch<8>(tw, tx, p, 1, tiles, s); break;
+    case 16: launch<16>(tw, tx, p, 1, tiles, s); break;
+    case 32: launch<32>(tw, tx, p, 1, tiles, s); break;
+    default: launch<64>(tw, tx, p, 1, tiles, s); break;
   }
+  return true;
+}
+
+int skinny_gemm_invariant_splits(int N, int K, bool silu_up) {
+  if (N < 64 || K < kBK || N % 8 != 0 || K % 8 != 0 || !device_info().hopper) return 0;
+  const int S = invariant_splits(N, K, silu_up);
+  return S <= max_splits<64>() ? S : 0;
+}
+
+bool skinny_gemm_invariant(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
+                           cudaStream_t s, bool silu_up) {
+  if (M < 1 || !takes_shape(X, W, Y, N, K, accumulate, out_f32, silu_up)) return false;
+  const int tiles = tiles_of(N, silu_up), chunks = (M + kSkinnyMaxRows - 1) / kSkinnyMaxRows;
+  Params p = make_params(Y, M, N, K, accumulate, out_f32, silu_up);
+  p.xbox = kSkinnyMaxRows;
+  p.splits = invariant_splits(N, K, silu_up);
+  // A device that cannot hold this cluster (MPS, MIG) refuses the shape at every M, so the caller's other
+  // batch-invariant kernel takes all of its calls.
+  if (p.splits > max_splits<64>()) return false;
+  OI_CHECK(tiles <= 65535 && chunks <= 65535,
+           "skinny_gemm_invariant: M = " << M << ", N = " << N << " is more tiles than a grid holds");
+  const CUtensorMap tw = tensor_map(W, N, K, 64, true, s);  // first: a miss under capture stops here, with a message
+  const CUtensorMap tx = tensor_map(X, M, K, kSkinnyMaxRows, false, s);
+  launch<64>(tw, tx, p, chunks, tiles, s);
   return true;
 }
 

@@ -32,6 +32,21 @@ bool skinny_gemm(const bf16* X, const bf16* W, void* Y, int M, int N, int K, boo
 // shape is refused). For tests and benchmarks.
 int skinny_gemm_splits(int M, int N, int K, bool silu_up = false, int splits = 0);
 
+// The batch-invariant mode (--deterministic; in place of fixed_gemm.h where it takes the shape): Y = X·Wᵀ for any M
+// >= 1 whose rows' bits do not depend on M, on a row's place in X or on the other rows. Rows go in chunks of 64, each
+// chunk through the same kernel as a 64-row plain call (wgmma N = 64 whatever the number of real rows, input rows
+// past M zero-filled by the copy engine, only real rows stored), and the split count is skinny_gemm_invariant_splits
+// (N, K), never a function of M. So every output element is the same sequence of wgmma k16 steps over the same K
+// ranges, then the same in-order sum of the splits and the same epilogue, whatever M is. Assumed of the hardware, and
+// checked by tests/test_gpu_det_skinny.py: a wgmma output column depends only on its own B column (the row's input),
+// and not on where that column sits among the 64. Epilogues and refusals as skinny_gemm's, except that any M >= 1 is
+// taken, and whether a shape is taken never depends on M (a refused shape goes elsewhere at every M).
+bool skinny_gemm_invariant(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
+                           cudaStream_t s, bool silu_up = false);
+// Its K splits for this shape (0 where refused): the smallest power of two with tiles x S >= 132, at most 8 and at
+// most the K blocks; a function of (N, K) alone.
+int skinny_gemm_invariant_splits(int N, int K, bool silu_up = false);
+
 // The engine's GEMMs of 3 to this many rows come here (fewer go to gemv.cu): in a graph of a 4B step's GEMMs it is
 // 10-13% faster than cuBLASLt at 4-32 rows and 2% slower at 64 (H100, bench/results/experiments_h100_2026-12-07).
 constexpr int kSkinnyEngineRows = 32;

@@ -18,6 +18,8 @@ void linear(GemvIn in, GemvOut out, const bf16* x, const bf16* norm_w, float eps
   }
   if (out == GemvOut::kSiluMul) {
     if (!fixed && M <= kSkinnyEngineRows && skinny_gemm(src, W, y, M, N, K, false, false, s, true)) return;
+    // --deterministic: the batch-invariant GEMM with SiLU·up fused, every M (Gemm::run's choice, fused)
+    if (fixed && skinny_gemm_invariant(src, W, y, M, N, K, false, false, s, true)) return;
     gemm.run(src, W, gu, M, N, K, false, false, s, fixed);
     silu_mul(gu, static_cast<bf16*>(y), M, N / 2, s);
     return;
