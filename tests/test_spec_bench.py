@@ -107,7 +107,7 @@ def test_serve_controlled_acceptance(tiny_dir, tmp_path):
 
 def test_partings_near_tie_or_real(capsys):
     """The serve check's verdict on where a speculative output parts from the plain one, from the plain
-    run's top-2 logprobs there (the CPU backend's outputs do not part, so synthetic ones)."""
+    run's best logprobs there (the CPU backend's outputs do not part, so synthetic ones)."""
     part = spec_bench.parting
     plain = [5, 6, 7, 8]
     top = [[(5, -0.1), (1, -3.0)], [(6, -0.2), (2, -2.0)], [(7, -1.0), (9, -1.1)], [(8, -0.5), (3, -4.0)]]
@@ -120,8 +120,12 @@ def test_partings_near_tie_or_real(capsys):
     # what bf16 rounding does not explain: a clear lead, a token that is not the second best, no margin
     wide = part(plain, [5, 6, 9, 4], plain, top[:2] + [[(7, -1.0), (9, -1.5)]] + top[3:])
     assert wide["kind"] == "real" and "above" in wide["why"] and wide["margin"] == pytest.approx(0.5)
-    third = part(plain, [5, 3, 7, 8], plain, top)  # 3 is not among the plain run's two best at token 1
-    assert third["kind"] == "real" and "second best" in third["why"] and third["margin"] == pytest.approx(1.8)
+    third = part(plain, [5, 3, 7, 8], plain, top)  # 3 is not among the plain run's two listed at token 1
+    assert third["kind"] == "real" and "2 best" in third["why"] and third["margin"] == pytest.approx(1.8)
+    # a three-way tie: the speculative token is the third best, within the bound of the plain one
+    three = [(7, -1.0), (4, -1.02), (9, -1.05), (1, -3.0)]
+    tie3 = part(plain, [5, 6, 9, 4], plain, top[:2] + [three] + top[3:])
+    assert tie3["kind"] == "near-tie" and tie3["margin"] == pytest.approx(0.05)
     left = part(plain, [5, 6, 9, 4], [5, 2, 7, 8], top)  # the logprobs run took another path before token 2
     assert left["kind"] == "real" and left["margin"] is None
     assert part(plain, [5, 6, 7], plain, top)["why"] == "the lengths differ"
