@@ -3,10 +3,11 @@
 # `bash bench/experiments/pack_tree.sh NAME REV` into .exp/NAME.tgz (sources, tests, bench, their wheel).
 # Carry .whl .peers .exp. Each phase is bounded so that the call ends by END seconds after its start.
 #
-#   bash bench/experiments/trees.sh tests:170 fa3 # phases in order; NAME:S ends the phase S seconds after its start
+#   bash bench/experiments/trees.sh tests:170 persist # phases in order; NAME:S ends the phase S seconds after its start
 #
 # Phases: tests (this tree's GPU tests that the 2026-12-07 merges reach, HF comparison of the 4B included),
-# fa3 / det (an experiment tree's own script: prefill-wgmma/run.sh, det-skinny/evaluate.sh), spec (issue
+# persist (the persistent-t tree's tests and its A/B; the fa3 and det phases that decided prefill-wgmma and
+# det-skinny are in git history, 2026-12-07), spec (issue
 # #24's round costs, TPOT at controlled acceptance, the projection: measure-2026-12-07.sh without its A/B),
 # timeline (a graphed 4B decode step at batch 8 through CUPTI, each kernel's marginal time).
 set -uo pipefail
@@ -32,17 +33,6 @@ for spec in "$@"; do
         python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_verify_graphs.py tests/test_gpu_graphs.py \
         tests/test_gpu_drafter.py tests/test_gpu_step_contract.py tests/test_gpu_model.py tests/test_server.py \
         tests/test_gpu_consistency.py -k "not 0.6b and not 8b" 2>&1 | tee $OUT/tests.log | tail -25 ;;
-    fa3) (cd $(tree fa3) && source bench/device_setup.sh && T="python3 -m pytest -q -p no:cacheprovider tests/test_gpu_prefill_wgmma.py"
-      # prefill-wgmma/run.sh's steps, the A/B before the long tests: a layout failure stops it, a slow kernel needs no more
-      timeout $(tmo 120) $T -x -k layout 2>&1 | tee $OUT/layout.log | tail -25
-      grep -q " passed" $OUT/layout.log && ! grep -qE "failed|error" $OUT/layout.log || { echo "layout tests failed: stop"; exit 0; }
-      timeout $(tmo 120) python3 bench/bench_kernels.py --prefill-attention 1024,8192,1024@31744 --model 4b --wgmma 0,1 --reps 20 \
-        --out $OUT/prefill_attention_4b.json
-      for on in 0 1; do OPENINFER_EXP_PREFILL_WGMMA=$on timeout $(tmo 60) python3 bench/bench_engine.py --preset qwen3-4b --batches= \
-        --prefill-len 1024,8192 --out $OUT/engine_prefill_wgmma$on.json 2>&1 | grep -E "^qwen3|prefill" | sed "s/^/wgmma=$on /"; done
-      timeout $(tmo $(( $(rest) - 70 ))) $T -k "not layout" 2>&1 | tee $OUT/tests.log | tail -15
-      OPENINFER_EXP_PREFILL_WGMMA=1 timeout $(tmo 120) python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py \
-        -k "paged_attention and 4b" 2>&1 | tee $OUT/old_tests_switch_on.log | tail -3) ;;
     persist) (cd $(tree persist) && source bench/device_setup.sh && F="python3 -m pytest -q -x -rfE -s -p no:cacheprovider tests/test_gpu_persistent_t.py"
       # persistent-t/run.sh's tests, smallest first, with a quick A/B (decode b1 vs an 8-token step) before the 4B's
       ok() { grep -qE "[0-9]+ passed" $1 && ! grep -qE "[0-9]+ (failed|error)" $1; }
@@ -52,7 +42,6 @@ for spec in "$@"; do
       for s in 0 1; do OPENINFER_EXP_PERSISTENT_T=$s timeout $(tmo 50) python3 bench/bench_engine.py --preset qwen3-4b --batches 1 \
         --ctx 1024 --steps 24 --prefill-len 8 --out $OUT/engine_t$s.json 2>&1 | grep -E "^qwen3" | sed "s/^/switch=$s /"; done
       ok $OUT/t2.log && timeout $(tmo 300) $F -k "test_4b" 2>&1 | tee $OUT/t3.log | grep -E "^4B|passed|failed|rror" | tail -12) ;;
-    det) (cd $(tree det) && timeout $(( $(rest) - 5 )) bash bench/experiments/det-skinny/evaluate.sh) ;;
     spec) T0=$T0 END=$END bash bench/experiments/measure-2026-12-07.sh 2>&1 | grep -v "^alt \|markov" ;;
     timeline) timeout 90 python3 bench/profile_step.py --preset qwen3-4b --batch 8 --ctx 1024 --graph --steps 4 \
         --trace $OUT/b8.json > /dev/null 2>&1; python3 bench/timeline_summary.py $OUT/b8.json | head -40 ;;
