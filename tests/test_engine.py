@@ -6,7 +6,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from openinfer import Engine, EngineConfig, LLMEngine, SamplingParams
+from openinfer import Engine, EngineConfig, LLMEngine, RequestRejected, SamplingParams
 from openinfer.reference import dense_forward
 from openinfer.sampling_params import sampling_defaults
 from openinfer.server.protocol import parse_completion
@@ -195,3 +195,31 @@ def test_close_releases_and_refuses(tiny_dir):
     with pytest.raises(RuntimeError, match="closed"):
         eng.generate("hello")
     eng.close()  # idempotent
+
+
+def test_request_seeds_are_the_engine_seeds_draws(tiny_dir):
+    """Seeds for requests that bring none come from the engine's seeded generator, one draw per request
+    in order (drawn in blocks), and a request's own seed takes none."""
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=16, seed=7))
+    rng = np.random.default_rng(7)
+    want = [int(rng.integers(0, 2**63)) for _ in range(150)]
+    got = []
+    for i in range(150):
+        got.append(eng.add_request(f"r{i}", [1, 2], SamplingParams(max_tokens=1)).seed)
+        assert eng.add_request(f"own{i}", [1, 2], SamplingParams(max_tokens=1, seed=i)).seed == i
+        eng.abort_request(f"r{i}")
+        eng.abort_request(f"own{i}")
+    assert got == want
+
+
+@pytest.mark.parametrize("n", [3, 300])  # short prompts: int() of each; long ones: NumPy
+def test_prompt_ids_forms(tiny_dir, n):
+    eng = LLMEngine(EngineConfig(str(tiny_dir), device="cpu", num_kv_blocks=64, max_model_len=512))
+    ids = list(range(1, n + 1))
+    for form in (ids, tuple(ids), np.array(ids, np.int32), np.array(ids, np.uint64), np.array(ids, float)):
+        seq = eng.add_request("x", form, SamplingParams(max_tokens=1))
+        assert seq.token_ids == ids and all(type(t) is int for t in seq.token_ids)
+        eng.abort_request("x")
+    for bad in (ids[:-1] + [-1], ids[:-1] + [eng.model_config.vocab_size]):
+        with pytest.raises(RequestRejected, match="vocabulary"):
+            eng.add_request("x", bad, SamplingParams(max_tokens=1))

@@ -9,6 +9,7 @@ from .sampling_params import SamplingParams
 from .tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"
+_UTF8 = codecs.getincrementaldecoder("utf-8")  # looked up once, not per request
 
 
 class IncrementalDetokenizer:
@@ -33,7 +34,7 @@ class IncrementalDetokenizer:
         # Byte-level BPE: one table lookup and a streaming UTF-8 decoder per token instead of two decodes
         # (the same text: tests/test_detokenizer.py); it holds an incomplete character until it completes.
         self._bytes = tokenizer.byte_table(skip_special_tokens)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._bytes is not None else None
+        self._utf8 = _UTF8("replace") if self._bytes is not None else None
         self.stop = [s for s in stop if s]
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.ids: list[int] = []
