@@ -147,3 +147,24 @@ def test_no_quadratic_walks():
         json_body.loads_body(raw, max_items=32_768)
         t2 = time.perf_counter()
         assert t2 - t1 < 10 * (t1 - t0) + 0.05, (t2 - t1, t1 - t0)
+
+
+def _loads_per_call(raw, finite=False):
+    """loads_text_json as it was written before its decoders were built once: json.loads with the hooks."""
+    from openinfer.chat import _finite_float, _reject_constant
+    value = json.loads(raw, parse_constant=_reject_constant, parse_float=_finite_float if finite else None)
+    if not isinstance(raw, bytes) or b"\\u" in raw or b"\xed" in raw:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    return value
+
+
+@settings(max_examples=300, deadline=None)
+@given(docs, st.booleans(), st.booleans(), st.booleans(), st.data())
+def test_built_once_decoders_read_as_json_loads(doc, ascii, finite, as_text, data):
+    raw = json.dumps(doc, ensure_ascii=ascii)
+    raw = raw if as_text else raw.encode(data.draw(st.sampled_from(["utf-8", "utf-16", "utf-32", "utf-8-sig"])))
+    if raw:
+        i = data.draw(st.integers(0, len(raw) - 1))
+        b = data.draw(st.sampled_from(["", "\ufeff", "1e999", "NaN", "\\ud800", "]"]))
+        raw = raw[:i] + (b if as_text else b.encode()) + raw[i:]
+    assert outcome(lambda r: loads_text_json(r, finite), raw) == outcome(lambda r: _loads_per_call(r, finite), raw)

@@ -48,3 +48,19 @@ def test_rejections_name_the_field(body, param):
     with pytest.raises(APIError) as e:
         parse_completion(body)
     assert e.value.status == 400 and e.value.param == param
+
+
+def test_built_once_encoders_write_as_json_dumps():
+    """SSE events and non-streamed answers: the same bytes as json.dumps per call would write."""
+    import json
+
+    from starlette.responses import JSONResponse
+
+    from openinfer.server.routes import _RENDER
+    from openinfer.server.sse import event
+    for obj in ({"id": "cmpl-1", "choices": [{"index": 0, "text": " Paris é 数 😀 \u2028", "logprobs": None}]},
+                {"a": [1, 2.5, True, None, "x\n\"y\""], "b": {}}, []):
+        assert event(obj) == f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        assert _RENDER(obj).encode() == JSONResponse(obj).body
+    with pytest.raises(ValueError):
+        _RENDER({"x": float("nan")})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import time
 from time import perf_counter_ns as ns
@@ -364,12 +365,19 @@ def _trace(request: Request, endpoint: str) -> PathTrace:
     return tr
 
 
+# JSONResponse's rendering (compact, UTF-8, no NaN) with an encoder built once, not per response.
+_RENDER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode
+
+
 class _Answer(JSONResponse):
     """A non-streamed answer (its body rendered): its bytes are the first token's."""
 
     def __init__(self, content: Any, st: ServerState, trace: PathTrace):
         super().__init__(content)
         self._st, self._trace = st, trace
+
+    def render(self, content: Any) -> bytes:
+        return _RENDER(content).encode("utf-8")
 
     async def __call__(self, scope, receive, send) -> None:
         self._trace.sending()
