@@ -9,9 +9,11 @@ it touched, never for the server.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import logging
+import sys
 import time
 from time import perf_counter_ns as ns
 import uuid
@@ -67,6 +69,17 @@ def _too_large(limit: int) -> APIError:
     return APIError(413, f"request body over {limit} bytes", code="request_too_large", headers=CLOSE)
 
 
+if sys.version_info >= (3, 11):
+    # asyncio's own timeout: ~60 us less than anyio's cancel scope on a request's path (2-vCPU VM, right
+    # after a step; 6 against 16 us in a warm loop)
+    _deadline = asyncio.timeout
+else:
+    @contextlib.asynccontextmanager
+    async def _deadline(seconds: float):
+        with anyio.fail_after(seconds):
+            yield
+
+
 async def _read_json(st: ServerState, request: Request, parse=None, trace: PathTrace | None = None,
                      max_items: int | None = None) -> Any:
     """The body as JSON (then `parse(body)`), read under the size limit and the read timeout; a body
@@ -81,7 +94,7 @@ async def _read_json(st: ServerState, request: Request, parse=None, trace: PathT
         raise _too_large(limit)
     chunks, size = [], 0
     try:
-        with anyio.fail_after(st.body_read_timeout):
+        async with _deadline(st.body_read_timeout):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > limit:
