@@ -36,7 +36,7 @@ from .json_body import LongArray, loads_body
 from .logprobs import chat_logprobs, completion_logprobs, logprob_rows, merge_logprobs
 from .metrics import ARRIVAL, CONTENT_TYPE, Metrics, PathTrace, RequestTimer
 from .protocol import APIError, bad, engine_error, internal, model_field, parse_chat, parse_completion
-from .sse import DONE, SSEResponse, error_event, event
+from .sse import DONE, CancelOnDisconnect, SSEResponse, error_event, event
 
 log = logging.getLogger("openinfer.server")
 
@@ -221,33 +221,17 @@ def _queue_full(ae: AsyncEngine, why: str) -> APIError:
                     headers={"Retry-After": str(ae.retry_after())})
 
 
-async def _until_disconnect(request: Request) -> None:
-    while True:
-        msg = await request.receive()
-        if msg["type"] == "http.disconnect":
-            return
-
-
 async def _collect(request: Request, group, on_update) -> bool:
     """Feeds every update to on_update until it returns True (the rest is aborted) or all finish;
     False (requests aborted) when the client went away."""
-    async def consume():
-        async for idx, u in group.updates():
-            if on_update(idx, u):
-                break
-
-    work = asyncio.ensure_future(consume())
-    watch = asyncio.ensure_future(_until_disconnect(request))
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-        if not work.done():
-            return False
-        work.result()  # re-raise an engine error
-        return True
+        async with CancelOnDisconnect(request.receive) as watch:
+            async for idx, u in group.updates():
+                if on_update(idx, u):
+                    break
     finally:
-        for t in (work, watch):
-            t.cancel()
         group.close()
+    return not watch.gone
 
 
 def _state(request: Request) -> ServerState:
