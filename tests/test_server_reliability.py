@@ -435,3 +435,36 @@ def test_model_directory_removed_under_a_running_server(tiny_dir, tmp_path):
         assert httpx.get(srv.url + "/health").status_code == 200
     finally:
         srv.stop()
+
+
+def test_group_add_raises_the_first_refusal_and_notices_a_dead_loop():
+    """RequestGroup.add: the first admission error in prompt order is raised; and when the engine loop is
+    gone before it reads the messages (nobody will answer them), EngineDeadError within a second or two."""
+    import asyncio
+    from types import SimpleNamespace
+    from openinfer.engine import RequestRejected
+    from openinfer.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup, _settle
+
+    ae = AsyncEngine(SimpleNamespace(scheduler=SimpleNamespace(max_waiting=4)))
+
+    async def refused():
+        group = RequestGroup(ae, "r")
+        task = asyncio.ensure_future(group.add([[1], [2], [3]], None))
+        await asyncio.sleep(0.01)
+        msgs = [ae._inbox.get_nowait() for _ in range(3)]
+        futs = [m[5] for m in msgs]
+        _settle(futs[2], RequestRejected("third"))
+        _settle(futs[1], RequestRejected("second"))
+        _settle(futs[0], None)
+        with pytest.raises(RequestRejected, match="second"):
+            await task
+        assert group.request_ids == ["r-0", "r-1", "r-2"]
+
+    async def dead():
+        t0 = time.perf_counter()
+        with pytest.raises(EngineDeadError):
+            await RequestGroup(ae, "d").add([[1]], None)  # the loop thread was never started
+        assert time.perf_counter() - t0 < 2.5
+
+    asyncio.run(refused())
+    asyncio.run(dead())

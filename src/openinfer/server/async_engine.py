@@ -122,14 +122,25 @@ class RequestGroup:
             self.request_ids.append(rid)  # before submitting, so close() aborts it whatever happens
             self._engine._submit(("add", rid, prompt_token_ids, params, _Sub(self, index, self.trace), fut, self._loop))
             futs.append(fut)
-        pending = set(futs)
-        while pending:
-            _, pending = await asyncio.wait(pending, timeout=1.0)
-            if pending and not self._engine.alive:  # the loop died before reading our messages
-                raise EngineDeadError("the engine loop is not running")
-        for fut in futs:
-            fut.result()  # raises the admission error, if any
-            self._open += 1
+
+        def watch() -> None:  # every second: a loop that died before reading our messages settles none
+            nonlocal timer
+            if self._engine.alive:
+                timer = self._loop.call_later(1.0, watch)
+                return
+            for fut in futs:
+                if not fut.done():
+                    fut.set_exception(EngineDeadError("the engine loop is not running"))
+
+        # a timer, not asyncio.wait(timeout=1): ~90 us less right after the put, while the engine thread
+        # waits for the GIL to add the request (2-vCPU VM, after a step; 3.5 against 17 us warm)
+        timer = self._loop.call_later(1.0, watch)
+        try:
+            for fut in futs:
+                await fut  # raises the admission error, if any
+                self._open += 1
+        finally:
+            timer.cancel()
 
     async def updates(self, timeout: float | None = None) -> AsyncIterator[tuple[int, Any]]:
         """(index, RequestUpdate) until every sub-request has finished; raises EngineStepError."""
