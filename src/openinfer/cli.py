@@ -215,7 +215,8 @@ def _serve(argv: list[str] | None) -> int:
                 f"the server is shutting down (--shutdown-timeout {srv.shutdown_timeout:g} s passed)")
             await super().shutdown(sockets)
 
-    server = _Server(uvicorn.Config(app, log_level=srv.log_level,
+    # access lines are INFO: below that level uvicorn would still format each one's fields, then drop it
+    server = _Server(uvicorn.Config(app, log_level=srv.log_level, access_log=srv.log_level in ("debug", "info"),
                                     timeout_graceful_shutdown=srv.shutdown_timeout + SHUTDOWN_GRACE_S))
     ae.on_fatal = lambda: setattr(server, "should_exit", True)  # the engine cannot recover: stop, exit 1
     # uvicorn re-raises the signal it stopped on to the handler found before it; for SIGTERM (a supervisor's
