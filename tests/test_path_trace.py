@@ -211,3 +211,21 @@ def test_gc_pauses_are_timed_only_while_the_app_runs():
     finally:
         m.close()
     assert m._on_gc not in gc.callbacks
+
+
+def test_request_latencies_are_observed_by_the_next_flush():
+    """TTFT, e2e and TPOT are queued as tokens arrive and observed by the loop's watch or a scrape."""
+    from types import SimpleNamespace
+    from openinfer.server.metrics import Metrics, RequestTimer
+    m = Metrics(SimpleNamespace(stats={}, alive=True, step_count=0, busy_seconds=0.0), "m")
+    t = RequestTimer(m, 10.0)
+    t.tokens_arrived(1, 10.5)
+    t.tokens_arrived(2, 11.5)
+    t.finish()
+    count = lambda h: [s.value for s in h.collect()[0].samples if s.name.endswith("_count")][0]  # noqa: E731
+    assert count(m.ttft) == count(m.e2e) == count(m.tpot) == 0
+    text = m.render().decode()
+    assert count(m.ttft) == count(m.e2e) == count(m.tpot) == 1
+    assert "openinfer_time_to_first_token_seconds_sum 0.5" in text
+    assert "openinfer_e2e_request_latency_seconds_sum 1.5" in text
+    assert "openinfer_time_per_output_token_seconds_sum 0.5" in text

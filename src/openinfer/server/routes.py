@@ -380,14 +380,16 @@ class _Answer(JSONResponse):
         self._trace.sending()
         await super().__call__(scope, receive, send)
         self._st.metrics.path.observe(self._trace)
+        self._st.metrics.flush()  # its latencies too, now that its bytes are out
 
 
 def _on_close(st: ServerState, group, trace: PathTrace):
-    """A stream's end: its requests aborted if unfinished, its trace observed (after the stream, so
-    that no chunk waits for it)."""
+    """A stream's end: its requests aborted if unfinished, its trace and latencies observed (after the
+    stream, so that no chunk waits for them)."""
     def close():
         group.close()
         st.metrics.path.observe(trace)
+        st.metrics.flush()
     return close
 
 
