@@ -11,6 +11,7 @@ The timings come from openinfer._bench (bench/cuda/kernels.cpp), built with -DOP
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,16,32,64 --configs=-2,-3
   python bench/bench_kernels.py --prefill-attention 1024,8192,1024@31744 --model 4b --wgmma 0,1
   python bench/bench_kernels.py --gemm-chain 4b,8b --rows 1,8,32,64,256,1024 --configs=-2,-1,-4
+  python bench/bench_kernels.py --gemm-chain 4b,8b --rows 128,256,1024,2500 --configs=-2,-1 --invariant-chunks 0,1,2,4
 """
 from __future__ import annotations
 
@@ -99,9 +100,12 @@ def chain(a, bench) -> list:
 def gemm_chain(a, bench) -> list:
     """A decode step's GEMMs (the four projections x all layers, one graph) per model, row count and GEMM:
     cuBLASLt (-2) against skinny_gemm (-3: wgmma + TMA, 1-64 rows), the engine's batch-invariant path (-1:
-    skinny_gemm's invariant mode), fixed_gemm as its launcher picks (-4) and its families (0-3)."""
+    skinny_gemm's invariant mode), fixed_gemm as its launcher picks (-4) and its families (0-3); config -1 once per
+    --invariant-chunks value (0: the engine's path, 1/2/4: skinny_gemm_invariant with that many 64-row chunks per
+    block, the same bits)."""
     rows = []
-    print(f"{'model':6} {'M':>4} {'config':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
+    inv_chunks = [int(c) for c in a.invariant_chunks.split(",")]
+    print(f"{'model':6} {'M':>4} {'config':>6} {'chunks':>6} {'floor us':>9} {'graph us':>9} {'% floor':>8}")
     for model in a.gemm_chain.split(","):
         # a SHAPES name: that projection alone, 36 times in a row
         shapes, layers = CHAINS[model] if model in CHAINS else ([SHAPES[model]], 36)
@@ -109,9 +113,12 @@ def gemm_chain(a, bench) -> list:
         floor = sum(n * k * 2 for n, k in nk) * layers / BW * 1e6
         for M in (int(m) for m in a.rows.split(",")):
             for config in (int(c) for c in a.configs.split(",")):
-                us = bench.gemm_chain(M, nk, layers, a.reps, config)
-                rows.append({"model": model, "M": M, "config": config, "floor_us": floor, "graph_us": us})
-                print(f"{model:6} {M:4d} {config:6d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}%", flush=True)
+                for chunks in inv_chunks if config == -1 else [0]:
+                    us = bench.gemm_chain(M, nk, layers, a.reps, config, chunks)
+                    rows.append({"model": model, "M": M, "config": config, "invariant_chunks": chunks,
+                                 "floor_us": floor, "graph_us": us})
+                    print(f"{model:6} {M:4d} {config:6d} {chunks:6d} {floor:9.1f} {us:9.1f} {100 * floor / us:7.0f}%",
+                          flush=True)
     return rows
 
 
@@ -129,6 +136,8 @@ def main() -> None:
     ap.add_argument("--configs", default="-2,-1", help="--gemm-chain: -4 fixed_gemm's pick, -3 skinny_gemm (wgmma + TMA, "
                     "1-64 rows; cuBLASLt above), -2 cuBLASLt, -1 the engine's batch-invariant path (skinny_gemm's "
                     "invariant mode, fixed_gemm where it refuses), 0-3 a fixed_gemm family")
+    ap.add_argument("--invariant-chunks", default="0", help="--gemm-chain config -1: 0 the engine's path, 1, 2, 4 "
+                    "skinny_gemm_invariant with that many 64-row chunks per block")
     ap.add_argument("--prefill-attention", default=None, help="prompt chunk cases T or T@prefix (e.g. 1024,8192,"
                     "1024@31744): time prefill attention, --wgmma kernels, --model heads")
     ap.add_argument("--wgmma", default="0,1", help="--prefill-attention: 0 the mma.sync kernel, 1 the wgmma kernel (the engine's)")
@@ -151,7 +160,7 @@ def main() -> None:
         rows = gemm_chain(a, _bench)
         if a.out:
             json.dump({"command": f"python bench/bench_kernels.py --gemm-chain {a.gemm_chain} --rows {a.rows} "
-                       f"--configs={a.configs}", "rows": rows}, open(a.out, "w"), indent=1)
+                       f"--configs={a.configs} --invariant-chunks {a.invariant_chunks}", "rows": rows}, open(a.out, "w"), indent=1)
         return
     if a.chain or a.attention:
         rows = chain(a, _bench) if a.chain else attention(a, _bench)

@@ -13,7 +13,10 @@ Read the small tests first when something fails; each names one piece:
     row offsets;
   - test_epilogues_*: residual add, fp32 out (with and without the residual), SiLU·up, each invariant and against
     the fp32 NumPy reference;
-  - test_graph_replay_equals_eager, test_gemm_run_routes_here: the launch under capture and the engine's entry point.
+  - test_graph_replay_equals_eager, test_gemm_run_routes_here: the launch under capture and the engine's entry point;
+  - test_multi_chunk_*: from 65 rows a block takes 2 or 4 row chunks (one warpgroup each, sharing the weight stages):
+    bit for bit the single-chunk kernel's rows (chunks_per_block=1) at the models' shapes and every epilogue, the
+    block-size rule, idle chunks of a last block (rows landing in place), a row at every warpgroup's columns.
 The engine's deterministic tests (tests/test_deterministic.py, test_gpu_graphs.py, test_gpu_drafter.py,
 test_gpu_verify_graphs.py, `-k deterministic`) exercise the mode through the engine.
 """
@@ -48,9 +51,12 @@ def _hopper():
         pytest.skip("skinny_gemm_invariant takes compute capability 9.0 only")
 
 
-def inv(x, w, M, N, K, y0=None, out_f32=False, silu_up=False, graph_replays=0):
-    got = ops().skinny_gemm(x, w, M, N, K, y0, out_f32, silu_up, 0, graph_replays, invariant=True)
-    assert got is not None, f"skinny_gemm_invariant refused M={M} N={N} K={K}"
+def inv(x, w, M, N, K, y0=None, out_f32=False, silu_up=False, graph_replays=0, chunks=0):
+    """skinny_gemm_invariant; chunks: its 64-row chunks per block forced (1 the single-chunk kernel, 2, 4; 0 the
+    rule)."""
+    got = ops().skinny_gemm(x, w, M, N, K, y0, out_f32, silu_up, 0, graph_replays, invariant=True,
+                            chunks_per_block=chunks)
+    assert got is not None, f"skinny_gemm_invariant refused M={M} N={N} K={K} chunks={chunks}"
     return got
 
 
@@ -79,25 +85,27 @@ def ref_rows(x, w, rows):
 
 # ---- the pieces ----
 
-@pytest.mark.parametrize("M", [1, 63, 64, 65, 200, 2500])
-def test_chunk_rows_land_in_place(M):
+@pytest.mark.parametrize("chunks", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 63, 64, 65, 129, 200, 2500])
+def test_chunk_rows_land_in_place(M, chunks):
     """X[m, 0] = m % 128 + 1, X[m, 1] = m // 128 + 1, W[n, 0] = 1, W[n, 1] = 256 (the rest zero), fp32 out: Y[m, n] =
     m % 128 + 1 + 256 (m // 128 + 1) exactly. An output that read another input row says which; the binding fills Y
-    with NaN first, so a row never stored shows as NaN."""
+    with NaN first, so a row never stored shows as NaN. At 2 and 4 chunks per block the last block has idle chunks
+    (M = 65, 129, 200, 2500)."""
     N, K = 200, 64  # 200: a full tile and a part one
     x = np.zeros((M, K), np.float32)
     x[:, 0] = np.arange(M) % 128 + 1
     x[:, 1] = np.arange(M) // 128 + 1
     w = np.zeros((N, K), np.float32)
     w[:, 0], w[:, 1] = 1, 256
-    got = inv(bf(x), bf(w), M, N, K, out_f32=True)
+    got = inv(bf(x), bf(w), M, N, K, out_f32=True, chunks=chunks)
     want = (x[:, 0] + 256 * x[:, 1])[:, None] * np.ones((1, N), np.float32)
     bad = ~(got == want)
     if bad.any():
         m, n = (int(v) for v in np.argwhere(bad)[0])
         v = got[m, n]
         read = "never written (NaN)" if np.isnan(v) else f"input row {int(v % 256) - 1 + 128 * (int(v // 256) - 1)}"
-        pytest.fail(f"M={M}: {int(bad.sum())} wrong; output row {m} (col {n}) holds {v}: {read}")
+        pytest.fail(f"M={M} chunks={chunks}: {int(bad.sum())} wrong; output row {m} (col {n}) holds {v}: {read}")
 
 
 def test_column_position_does_not_change_bits():
@@ -296,3 +304,124 @@ def test_refusals():
         assert call(x, w, M, 128, 64, None, True, True, invariant=True) is None  # SiLU·up in fp32
     with pytest.raises(ValueError):
         ops().skinny_gemm(x, w, 200, 128, 64, None, False, False, 2, invariant=True)  # splits are the mode's own
+
+
+# ---- several row chunks per block (2 or 4 warpgroups sharing each weight stage) ----
+
+MULTI_M = [65, 127, 128, 129, 255, 1000, 2500]
+
+
+def test_multi_chunk_rule():
+    """The chunks per block skinny_gemm_invariant picks: 1 up to 64 rows, 2 from 65, 4 from 512 (a speed choice; the
+    bits are the same, tested below). Not a function of the shape except where the device cannot hold the cluster
+    at the larger block (then 1)."""
+    for M, want in ((1, 1), (64, 1), (65, 2), (128, 2), (511, 2), (512, 4), (2500, 4)):
+        for N, K in GEMMS["4b"]:
+            got = ops().skinny_gemm_splits(M, N, K, False, 0, invariant=True)["chunks_per_block"]
+            assert got == want, (M, N, K, got)
+
+
+@pytest.mark.parametrize("model", list(GEMMS))
+def test_multi_chunk_bits_equal_single_chunk(model):
+    """At the 4B/8B/32B projections and M = 65, 127, 128, 129, 255, 1,000, 2,500 (M-row prefixes of one input): the
+    2- and 4-chunk blocks give the single-chunk kernel's bits in every row (gate_up here without SiLU·up; the fused
+    epilogue has its own test), and the result is the GEMM (fp32 NumPy on the rows at the chunk and block edges)."""
+    rng = np.random.default_rng(len(model) + 60)
+    Mmax = MULTI_M[-1]
+    for N, K in GEMMS[model]:
+        x, w = rand_bf16(rng, (Mmax, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+        for M in MULTI_M:
+            xs = np.ascontiguousarray(x[:M])
+            single = inv(xs, w, M, N, K, chunks=1)
+            sample = sorted({0, 63, 64, 127, 128, 255, M - 1} & set(range(M)))
+            assert rel_err(f32(single[sample]), ref_rows(x, w, sample)) < TOL["bf16_gemm"], (model, N, K, M)
+            for chunks in (2, 4):
+                check_rows_equal(inv(xs, w, M, N, K, chunks=chunks), single,
+                                 f"{model} N={N} K={K} M={M}: {chunks} chunks per block against 1")
+
+
+@pytest.mark.parametrize("model", list(GEMMS))
+def test_multi_chunk_epilogues(model):
+    """Every epilogue at 2 and 4 chunks per block equals the single-chunk kernel bit for bit: the residual add (o,
+    down), fp32 out with and without the residual (qkv), SiLU·up (gate_up: [M, I]); each close to fp32 NumPy."""
+    rng = np.random.default_rng(len(model) + 70)
+    qkv, o, gate_up, down = GEMMS[model]
+    Ms = (65, 129, 255, 1000)
+    Mmax = Ms[-1]
+    for N, K in (o, down):
+        x, w = rand_bf16(rng, (Mmax, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+        y0 = rand_bf16(rng, (Mmax, N))
+        for M in Ms:
+            xs, ys = np.ascontiguousarray(x[:M]), np.ascontiguousarray(y0[:M])
+            single = inv(xs, w, M, N, K, ys, chunks=1)
+            sample = [0, 64, M - 1]
+            assert rel_err(f32(single[sample]), ref_rows(x, w, sample) + f32(y0[sample])) < TOL["bf16_gemm"]
+            for chunks in (2, 4):
+                check_rows_equal(inv(xs, w, M, N, K, ys, chunks=chunks), single,
+                                 f"{model} residual N={N} K={K} M={M}: {chunks} chunks per block against 1")
+    N, K = qkv
+    x, w = rand_bf16(rng, (Mmax, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    y0 = rng.standard_normal((Mmax, N)).astype(np.float32)
+    for M in Ms:
+        xs, ys = np.ascontiguousarray(x[:M]), np.ascontiguousarray(y0[:M])
+        for y_init in (None, ys):
+            single = inv(xs, w, M, N, K, y_init, out_f32=True, chunks=1)
+            want = ref_rows(x, w, [0, M - 1]) + (0 if y_init is None else y_init[[0, M - 1]])
+            np.testing.assert_allclose(single[[0, M - 1]], want, rtol=1e-3, atol=1e-3)
+            for chunks in (2, 4):
+                check_rows_equal(inv(xs, w, M, N, K, y_init, out_f32=True, chunks=chunks), single,
+                                 f"{model} fp32 out residual={y_init is not None} M={M}: {chunks} chunks against 1")
+    N, K = gate_up
+    I = N // 2
+    x, w = rand_bf16(rng, (Mmax, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    for M in Ms:
+        xs = np.ascontiguousarray(x[:M])
+        single = inv(xs, w, M, N, K, silu_up=True, chunks=1)
+        assert single.shape == (M, I)
+        sample = [0, 64, M - 1]
+        rb = bf16_to_f32(f32_to_bf16(ref_rows(x, w, sample)))
+        assert rel_err(f32(single[sample]), ref.silu_mul(rb[:, :I], rb[:, I:])) < TOL["bf16_gemm"]
+        for chunks in (2, 4):
+            check_rows_equal(inv(xs, w, M, N, K, silu_up=True, chunks=chunks), single,
+                             f"{model} SiLU·up M={M}: {chunks} chunks per block against 1")
+
+
+def test_multi_chunk_row_at_every_warpgroup():
+    """One input row at the first and last column of every warpgroup of a 4-chunk block (and of two 2-chunk blocks),
+    beside rows of huge, tiny and zero values, gives the bits of that row alone (M = 1, the single-chunk kernel)."""
+    rng = np.random.default_rng(12)
+    N, K = 2560, 4096  # 8 splits: the cluster sum over the four partial tiles
+    w = rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    row = rand_bf16(rng, (1, K))
+    alone = inv(row, w, 1, N, K)
+    for pos in (0, 63, 64, 127, 128, 191, 192, 255):
+        others = rng.standard_normal((256, K)).astype(np.float32) * np.float32([1e30, 1e-30, 0.0, 1.0][pos % 4])
+        x = bf(others)
+        x[pos] = row[0]
+        for chunks in (2, 4):
+            check_rows_equal(inv(x, w, 256, N, K, chunks=chunks)[pos:pos + 1], alone,
+                             f"the row at position {pos} of 256, {chunks} chunks per block")
+
+
+@pytest.mark.parametrize("case", [(129, 2560, 4096, False, 2), (1000, 2560, 9728, True, 4), (300, 19456, 2560, False, 4)])
+def test_multi_chunk_graph_replay(case):
+    """Captured and replayed three times: the eager bits at 2 and 4 chunks per block (8-way split clusters, one
+    split), and the eager bits equal the single-chunk kernel's."""
+    M, N, K, f32_out, chunks = case
+    rng = np.random.default_rng(M + N)
+    x, w = rand_bf16(rng, (M, K)), rand_bf16(rng, (N, K), 1.0 / np.sqrt(K))
+    y0 = rng.standard_normal((M, N)).astype(np.float32) if f32_out else rand_bf16(rng, (M, N))
+    eager, replay = inv(x, w, M, N, K, y0, out_f32=f32_out, graph_replays=3, chunks=chunks)
+    check_rows_equal(replay, eager, f"{case} replay")
+    check_rows_equal(eager, inv(x, w, M, N, K, y0, out_f32=f32_out, chunks=1), f"{case} against 1 chunk per block")
+
+
+def test_multi_chunk_argument_checks():
+    """chunks_per_block is the invariant mode's, and 1, 2 or 4."""
+    rng = np.random.default_rng(0)
+    x, w = rand_bf16(rng, (100, 64)), rand_bf16(rng, (128, 64))
+    for bad in (3, 8, -1):
+        with pytest.raises(ValueError):
+            ops().skinny_gemm(x, w, 100, 128, 64, None, False, invariant=True, chunks_per_block=bad)
+    with pytest.raises(ValueError):
+        ops().skinny_gemm(x, w, 100, 128, 64, None, False, chunks_per_block=2)  # the plain mode: up to 64 rows

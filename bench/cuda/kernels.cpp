@@ -13,6 +13,7 @@
 
 #include "../../csrc/gemm/fixed_gemm.h"
 #include "../../csrc/gemm/gemm.h"
+#include "../../csrc/gemm/skinny_gemm.h"
 #include "../../csrc/kernels/attention.cuh"
 #include "../../csrc/kernels/attention_sm90.cuh"
 #include "../../csrc/kernels/elementwise.cuh"
@@ -114,13 +115,18 @@ PYBIND11_MODULE(_bench, m) {
     }, reps);
   }, py::arg("M"), py::arg("shapes"), py::arg("layers"), py::arg("reps"), py::arg("kernel") = 0,
      "expected: ~90% of weight bytes / 4.21 TB/s at M = 1 and 2 (4B chain 2.8 MB per layer)");
-  m.def("gemm_chain", [](int M, const std::vector<std::array<int, 2>>& shapes, int layers, int reps, int config) {
+  m.def("gemm_chain", [](int M, const std::vector<std::array<int, 2>>& shapes, int layers, int reps, int config,
+                         int invariant_chunks) {
     // Median graph-replay time (us) of `layers` repetitions of the GEMMs `shapes` ((N, K) each, every layer
     // its own weights) at M rows: config -4 fixed_gemm as its launcher picks, -3 skinny_gemm (wgmma + TMA, 1-64 rows;
     // cuBLASLt where it refuses a shape), -2 cuBLASLt, -1 the engine's batch-invariant path (skinny_gemm's invariant
-    // mode; fixed_gemm where it refuses a shape), >= 0 that fixed_gemm family.
+    // mode; fixed_gemm where it refuses a shape), >= 0 that fixed_gemm family. invariant_chunks (config -1 only):
+    // skinny_gemm_invariant called directly with its 64-row chunks per block forced (1, 2, 4; 0: Gemm::run's path).
     OI_CHECK(M >= 1 && layers >= 1 && !shapes.empty(), "gemm_chain: need M >= 1, layers >= 1 and a shape");
     OI_CHECK(config >= kGemmFixed && config < kFixedGemmConfigs, "gemm_chain: config " << config);
+    OI_CHECK(invariant_chunks == 0 || (config == -1 && (invariant_chunks == 1 || invariant_chunks == 2 ||
+                                                        invariant_chunks == 4)),
+             "gemm_chain: invariant_chunks " << invariant_chunks << " (1, 2 or 4 with config -1)");
     const bool fixed = config > -2 || config == kGemmFixed;
     size_t per_layer = 0, max_k = 0, max_n = 0;
     for (const auto& sh : shapes) {
@@ -138,11 +144,17 @@ PYBIND11_MODULE(_bench, m) {
       const bf16* W = w.as<bf16>();
       for (int l = 0; l < layers; ++l)
         for (const auto& sh : shapes) {
-          gm.run(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, fixed, config);
+          if (invariant_chunks > 0)
+            OI_CHECK(skinny_gemm_invariant(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, false,
+                                           invariant_chunks),
+                     "gemm_chain: skinny_gemm_invariant refused N=" << sh[0] << " K=" << sh[1]);
+          else
+            gm.run(x.as<bf16>(), W, y.p, M, sh[0], sh[1], false, false, st, fixed, config);
           W += (size_t)sh[0] * sh[1];
         }
     }, reps);
   }, py::arg("M"), py::arg("shapes"), py::arg("layers"), py::arg("reps"), py::arg("config") = -2,
+     py::arg("invariant_chunks") = 0,
      "one decode step's GEMMs in a graph (no RMSNorm, SiLU or attention): skinny_gemm's invariant mode (-4), "
      "skinny_gemm (-3), cuBLASLt (-2) or a fixed_gemm family");
   m.def("linear", [](int M, int N, int K, int in_mode, int out_mode, bool use_gemv, int reps) {

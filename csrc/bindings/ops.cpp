@@ -122,8 +122,11 @@ void bind_ops(py::module_& m) {
   ops.attr("GEMM_SKINNY") = kGemmSkinny;
   ops.attr("GEMM_FIXED") = kGemmFixed;
   ops.def("skinny_gemm", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w, int M, int N, int K, py::object y_init,
-                            bool out_f32, bool silu_up, int splits, int graph_replays, bool invariant) -> py::object {
+                            bool out_f32, bool silu_up, int splits, int graph_replays, bool invariant,
+                            int chunks_per_block) -> py::object {
     if (invariant && splits != 0) throw std::invalid_argument("skinny_gemm: the invariant mode's splits are its own");
+    if (chunks_per_block != 0 && (!invariant || (chunks_per_block != 1 && chunks_per_block != 2 && chunks_per_block != 4)))
+      throw std::invalid_argument("skinny_gemm: chunks_per_block is the invariant mode's, 1, 2 or 4 (0: its rule)");
     const int ncols = silu_up ? N / 2 : N;
     const size_t ob = (size_t)M * ncols * (out_f32 ? 4 : 2);
     Dev dx(x), dw(w), dy(ob), dy0(ob);
@@ -137,7 +140,8 @@ void bind_ops(py::module_& m) {
     }
     OI_CUDA_CHECK(cudaMemcpy(dy.p, dy0.p, ob, cudaMemcpyDeviceToDevice));
     auto call = [&](cudaStream_t st) {
-      return invariant ? skinny_gemm_invariant(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up)
+      return invariant ? skinny_gemm_invariant(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up,
+                                               chunks_per_block)
                        : skinny_gemm(dx.as<bf16>(), dw.as<bf16>(), dy.p, M, N, K, acc, out_f32, st, silu_up, splits);
     };
     if (!call(0)) return py::none();
@@ -171,19 +175,22 @@ void bind_ops(py::module_& m) {
     return py::make_tuple(eager, fetch());
   }, py::arg("x"), py::arg("w"), py::arg("M"), py::arg("N"), py::arg("K"), py::arg("y_init"), py::arg("out_f32"),
      py::arg("silu_up") = false, py::arg("splits") = 0, py::arg("graph_replays") = 0, py::arg("invariant") = false,
+     py::arg("chunks_per_block") = 0,
      "skinny_gemm: Y = X Wᵀ (+ y_init; silu_up: SiLU(gate)·up of W = [gate; up], [M, N / 2]); None where it refuses "
      "the shape; splits forces the K splits; graph_replays > 0: (eager, the same call replayed in a CUDA graph); "
-     "invariant: the batch-invariant mode (skinny_gemm_invariant: any M, rows independent of M)");
+     "invariant: the batch-invariant mode (skinny_gemm_invariant: any M, rows independent of M); chunks_per_block: "
+     "its 64-row chunks per block forced (1: the single-chunk kernel, 2, 4; 0: the rule; the same bits)");
   ops.def("skinny_gemm_splits", [](int M, int N, int K, bool silu_up, int splits, bool invariant) {
     int dev = 0, sms = 0;
     OI_CUDA_CHECK(cudaGetDevice(&dev));
     OI_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
     const int s = invariant ? skinny_gemm_invariant_splits(N, K, silu_up) : skinny_gemm_splits(M, N, K, silu_up, splits);
-    return py::dict(py::arg("splits") = s, py::arg("num_sms") = sms);
+    const int chunks = invariant ? skinny_gemm_invariant_chunks(M, N, K, silu_up) : (s > 0 ? 1 : 0);
+    return py::dict(py::arg("splits") = s, py::arg("num_sms") = sms, py::arg("chunks_per_block") = chunks);
   }, py::arg("M"), py::arg("N"), py::arg("K"), py::arg("silu_up") = false, py::arg("splits") = 0,
      py::arg("invariant") = false,
      "the K splits skinny_gemm launches for this shape (0: refused; invariant: the batch-invariant mode's, which "
-     "ignore M) and the device's SM count");
+     "ignore M), the device's SM count and the 64-row chunks per block (invariant: its rule at M, else 1)");
   ops.def("skinny_gemm_chain", [](const Arr<uint16_t>& x, const Arr<uint16_t>& w1, const Arr<uint16_t>& w2, int M, int N1,
                                   int K, int N2, int mode) {
     // h = x·w1ᵀ [M, N1]; o = h·w2ᵀ [M, N2]; o += h·w2ᵀ: each launch reads what the one before wrote (X, then Y).

@@ -25,7 +25,12 @@
 //  - Batch-invariant mode (skinny_gemm_invariant, --deterministic, an experiment): the MP = 64 kernel for every M, a
 //    grid dimension over 64-row chunks, a 64-row input box whose rows past M the copy engine fills with zeros, and
 //    the split count from (N, K) alone. A row's outputs then take the same wgmma steps over the same K ranges and the
-//    same split sum whatever M is (skinny_gemm.h states what is assumed of the hardware).
+//    same split sum whatever M is (skinny_gemm.h states what is assumed of the hardware). From 65 rows a block takes
+//    WG = 2 or 4 chunks with one multiplying warpgroup each (288 / 544 threads): the copy warp brings one weight
+//    stage and WG input boxes, every warpgroup runs the single-chunk wgmma sequence on the shared weight stage, and
+//    the WG partial tiles go through the same split sum and epilogue. A 1,024-row prefill read each tile's weights
+//    16 times from L2 (one 64-row block each; ~2/3 of the L2 traffic, X the rest) at 25.9 ms for a 4B step's GEMMs
+//    against cuBLASLt's 11.9 (H100, 2026-12-07); WG 2 / 4 cut the L2 bytes per multiply-add to 2/3 / 1/2.
 // Not measured yet (written without a GPU): see tests/test_gpu_skinny_gemm.py and `bench_kernels.py --gemm-chain
 // ... --configs=-2,-3` for the A/B against cuBLASLt.
 #include <algorithm>
@@ -45,20 +50,27 @@ namespace {
 constexpr int kBN = 128;                    // weight rows per output tile
 constexpr int kBK = 64;                     // K per stage: one 128-byte swizzle row of bf16
 constexpr int kHalfBytes = 64 * kBK * 2;    // one 64-row block of a stage (8 KB)
-constexpr int kConsumers = 128;             // warps 0-3: the multiplying warpgroup
-constexpr int kThreads = kConsumers + 32;   // + warp 4, the copy warp
+constexpr int kWarpgroup = 128;             // threads of one multiplying warpgroup
 constexpr int kRedPitch = kBN + 4;          // floats per input row of the partial tile (conflict-free stores)
-constexpr int kSiluFlag = 1, kAccFlag = 2, kF32Flag = 4;
+// kKeepWFlag: the weights' L2 policy is evict-normal instead of evict-first (other row groups of the tile re-read them)
+constexpr int kSiluFlag = 1, kAccFlag = 2, kF32Flag = 4, kKeepWFlag = 8;
 
-template <int MP>
+// MP: input rows per chunk (the wgmma N); WG: row chunks per block, one multiplying warpgroup each, sharing every
+// weight stage (1; 2 or 4 only in the invariant mode, MP = 64). WG 2: 3 stages of 32 KB (97 KB, two blocks per SM);
+// WG 4: 4 stages of 48 KB (193 KB, one block per SM).
+template <int MP, int WG>
 struct Cfg {
-  static constexpr int kStages = MP == 64 ? 4 : MP == 32 ? 5 : 6;
+  static constexpr int kConsumers = WG * kWarpgroup;  // warps 0 .. 4 WG - 1 multiply
+  static constexpr int kThreads = kConsumers + 32;    // + the copy warp
+  static constexpr int kStages = WG == 4 ? 4 : WG == 2 ? 3 : MP == 64 ? 4 : MP == 32 ? 5 : 6;
+  static constexpr int kMinBlocks = WG == 2 ? 2 : 1;  // WG 2: two blocks per SM (<= 112 registers)
   static constexpr int kWBytes = 2 * kHalfBytes;
-  static constexpr int kXBytes = MP * kBK * 2;
-  static constexpr int kStageBytes = kWBytes + kXBytes;
+  static constexpr int kXBytes = MP * kBK * 2;       // one chunk's input box
+  static constexpr int kStageBytes = kWBytes + WG * kXBytes;
   static constexpr size_t kSmem = size_t(kStages) * kStageBytes + 1024;  // + slack to align the ring to 1024
-  static_assert(MP * kRedPitch * 4 <= kStages * kWBytes, "the partial tile fits the weight ring");
+  static_assert(WG * MP * kRedPitch * 4 <= kStages * kStageBytes, "the partial tiles fit the ring");
   static_assert(kXBytes % 1024 == 0, "every 128-byte-swizzled box starts on a 1024-byte boundary");
+  static_assert(WG == 1 || MP == 64, "several row chunks per block: the invariant mode's 64-row chunks only");
 };
 
 struct Params {
@@ -74,8 +86,11 @@ struct Params {
 // and descriptor helpers are in kernels/sm90.cuh) ----
 #if !defined(__CUDA_ARCH__) || defined(__CUDA_ARCH_FEAT_SM90_ALL)
 
-// The multiplying warpgroup alone (the copy warp may still be in its loop).
-__device__ __forceinline__ void consumers_sync() { asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory"); }
+// The multiplying warpgroups alone (the copy warp may still be in its loop).
+template <int kConsumers>
+__device__ __forceinline__ void consumers_sync() {
+  asm volatile("bar.sync 1, %0;\n" ::"n"(kConsumers) : "memory");
+}
 
 // Every thread of every block of the cluster; shared-memory writes before it are visible to all after it.
 __device__ __forceinline__ void cluster_sync() {
@@ -174,26 +189,33 @@ __device__ __forceinline__ void store4(const Params& p, int m, int tile, int c, 
 
 #endif  // device helpers
 
-// grid (S, chunks, tiles), cluster (S, 1, 1): block (split, chunk, tile) multiplies tile `tile`'s 128 weight rows by
-// input rows [MP * chunk, MP * chunk + MP) over the split's K blocks [kblocks * split / S, kblocks * (split + 1) / S).
-// The plain mode has one chunk; the invariant mode (MP = 64) ceil(M / 64), the splits of one tile's chunks next to
-// each other in launch order so that the tile's weights are read from HBM about once and from L2 by the other chunks.
-template <int MP>
-__global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_constant__ CUtensorMap tm_w,
-                                                               const __grid_constant__ CUtensorMap tm_x,
-                                                               const Params p) {
+// grid (S, groups, tiles), cluster (S, 1, 1): block (split, group, tile) multiplies tile `tile`'s 128 weight rows by
+// the input rows of WG chunks of MP, [WG MP group, WG MP (group + 1)), over the split's K blocks
+// [kblocks * split / S, kblocks * (split + 1) / S). The plain mode has one group of one chunk; the invariant mode
+// (MP = 64) ceil(M / 64) chunks, WG to a block, the splits of one tile's groups next to each other in launch order so
+// that the tile's weights are read from HBM about once and from L2 by the other groups. Warpgroup c of a block
+// multiplies chunk c exactly as a block of one chunk does (the same wgmma m64n64k16 sequence over the same stages,
+// the weights' descriptors the same, only the input box its own), writes the same partial tile rows and goes through
+// the same split sum and epilogue: a row's bits do not depend on WG. A chunk starting at or past M is idle (its
+// warpgroup skips the multiplies; its box is not loaded).
+template <int MP, int WG>
+__global__ void __launch_bounds__(Cfg<MP, WG>::kThreads, Cfg<MP, WG>::kMinBlocks)
+    skinny_gemm_kernel(const __grid_constant__ CUtensorMap tm_w, const __grid_constant__ CUtensorMap tm_x,
+                       const Params p) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using C = Cfg<MP>;
+  using C = Cfg<MP, WG>;
   constexpr int ST = C::kStages;
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[ST], empty[ST];
-  // Ring: ST weight stages of 16 KB, then ST input stages of MP x 128 bytes, from a 1024-byte boundary (the
-  // swizzle pattern repeats every 1024 bytes and the descriptors assume tiles start on one).
+  // Ring: ST weight stages of 16 KB, then ST input stages of WG boxes of MP x 128 bytes, from a 1024-byte boundary
+  // (the swizzle pattern repeats every 1024 bytes and the descriptors assume tiles start on one).
   const uint32_t base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const uint32_t w_ring = base, x_ring = base + ST * C::kWBytes;
+  constexpr uint32_t kXStage = WG * C::kXBytes;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int S = p.splits, split = blockIdx.x, tile = blockIdx.z;  // split == the block's rank in its cluster
-  const int m0 = (int)blockIdx.y * MP, rows = min(MP, p.M - m0);   // this chunk's input rows
+  const int S = p.splits, split = blockIdx.x, tile = blockIdx.z;     // split == the block's rank in its cluster
+  const int m0 = (int)blockIdx.y * WG * MP, rows = min(WG * MP, p.M - m0);  // this group's input rows
+  const int active = (rows + MP - 1) / MP;                                   // its chunks with rows (1..WG)
   const int kb0 = (int)((long)p.kblocks * split / S), nk = (int)((long)p.kblocks * (split + 1) / S) - kb0;
   const bool silu_up = p.flags & kSiluFlag;
   // The two 64-row weight blocks: consecutive rows, or gate rows and their up rows (I = N / 2 further).
@@ -202,33 +224,37 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < ST; ++s) {
-      mbar_init(&full[s], 1);                 // the copy lane's arrive (+ the stage's bytes)
-      mbar_init(&empty[s], kConsumers / 32);  // one arrive per multiplying warp
+      mbar_init(&full[s], 1);           // the copy lane's arrive (+ the stage's bytes)
+      mbar_init(&empty[s], 4 * active);  // one arrive per multiplying warp of an active chunk
     }
     mbar_init_fence();
   }
   __syncthreads();
 
-  if (warp == kConsumers / 32) {
+  if (warp == C::kConsumers / 32) {
     // Copy warp. Stage i of the split holds K block kb0 + i in ring slot i % ST; its full barrier expects the weight
     // and input bytes together, so the weights of the first ST stages can go out before the PDL wait (no kernel
     // writes them) and the inputs after it (the previous kernel writes X). Every box starts inside its tensor (the
-    // launcher asks for N, K >= 64; the input box is M rows, or 64 from row m0 < M): a last half tile past N is not
-    // loaded; in the plain mode input rows M..MP-1 of a slot keep stale bytes, which reach only accumulator columns
-    // that are never stored (a column of the product depends on that input row alone), and in the invariant mode the
-    // copy engine writes zeros for rows past M (and counts them in the stage's bytes).
+    // launcher asks for N, K >= 64; the input box is M rows, or 64 from row m0 + 64 c < M): a last half tile past N
+    // is not loaded; in the plain mode input rows M..MP-1 of a slot keep stale bytes, which reach only accumulator
+    // columns that are never stored (a column of the product depends on that input row alone), and in the invariant
+    // mode the copy engine writes zeros for rows past M (and counts them in the stage's bytes).
     const bool second = row1 < p.N;
-    const uint32_t stage_bytes = kHalfBytes * (second ? 2 : 1) + (uint32_t)p.xbox * kBK * 2;
+    const uint32_t stage_bytes = kHalfBytes * (second ? 2 : 1) + (uint32_t)(active * p.xbox * kBK * 2);
     const int pre = min(ST, nk);
     uint64_t policy = 0;
     auto load_w = [&](int i, int s) {
       tma_load(w_ring + s * C::kWBytes, &tm_w, (kb0 + i) * kBK, row0, &full[s], policy);
       if (second) tma_load(w_ring + s * C::kWBytes + kHalfBytes, &tm_w, (kb0 + i) * kBK, row1, &full[s], policy);
     };
+    auto load_x = [&](int i, int s) {
+      for (int c = 0; c < active; ++c)
+        tma_load(x_ring + s * kXStage + c * C::kXBytes, &tm_x, (kb0 + i) * kBK, m0 + c * MP, &full[s]);
+    };
     if (lane == 0) {
       prefetch_map(&tm_w);
       prefetch_map(&tm_x);
-      policy = l2_evict_first();
+      policy = (p.flags & kKeepWFlag) ? l2_evict_normal() : l2_evict_first();
       for (int i = 0; i < pre; ++i) {
         mbar_expect_tx(&full[i], stage_bytes);
         load_w(i, i);
@@ -237,70 +263,77 @@ __global__ void __launch_bounds__(kThreads) skinny_gemm_kernel(const __grid_cons
     pdl_wait();
     pdl_trigger();
     if (lane == 0) {
-      for (int i = 0; i < pre; ++i) tma_load(x_ring + i * C::kXBytes, &tm_x, (kb0 + i) * kBK, m0, &full[i]);
+      for (int i = 0; i < pre; ++i) load_x(i, i);
       for (int i = pre; i < nk; ++i) {
         const int s = i % ST;
         mbar_wait(&empty[s], ((i / ST) - 1) & 1);  // the multiplies of stage i - ST have read the slot
         mbar_expect_tx(&full[s], stage_bytes);
         load_w(i, s);
-        tma_load(x_ring + s * C::kXBytes, &tm_x, (kb0 + i) * kBK, m0, &full[s]);
+        load_x(i, s);
       }
     }
     __syncwarp();
   } else {
-    // Multiplying warpgroup: 2 x 4 wgmma per stage, one commit group per stage, a stage released once the group
-    // after it is in flight (wait_group 1), so the tensor cores always have the next stage's work queued.
+    // Multiplying warpgroup `wg` (chunk wg of the group): 2 x 4 wgmma per stage, one commit group per stage, a
+    // stage released once the group after it is in flight (wait_group 1), so the tensor cores always have the next
+    // stage's work queued.
     pdl_wait();
     pdl_trigger();
+    const int wg = warp >> 2, wwarp = warp & 3;  // the warpgroup, the warp within it
     float acc0[MP / 2], acc1[MP / 2];
 #pragma unroll
     for (int i = 0; i < MP / 2; ++i) acc0[i] = acc1[i] = 0.f;
-    for (int i = 0; i < nk; ++i) {
-      const int s = i % ST;
-      mbar_wait(&full[s], (i / ST) & 1);
-      const uint64_t dw = smem_desc(w_ring + s * C::kWBytes), dx = smem_desc(x_ring + s * C::kXBytes);
-      fence_acc(acc0);
-      fence_acc(acc1);
-      wgmma_fence();
+    if (wg < active) {
+      for (int i = 0; i < nk; ++i) {
+        const int s = i % ST;
+        mbar_wait(&full[s], (i / ST) & 1);
+        const uint64_t dw = smem_desc(w_ring + s * C::kWBytes), dx = smem_desc(x_ring + s * kXStage + wg * C::kXBytes);
+        fence_acc(acc0);
+        fence_acc(acc1);
+        wgmma_fence();
 #pragma unroll
-      for (int kk = 0; kk < kBK / 16; ++kk) {
-        wgmma<MP>(acc0, dw + 2 * kk, dx + 2 * kk);
-        wgmma<MP>(acc1, dw + (kHalfBytes >> 4) + 2 * kk, dx + 2 * kk);
+        for (int kk = 0; kk < kBK / 16; ++kk) {
+          wgmma<MP>(acc0, dw + 2 * kk, dx + 2 * kk);
+          wgmma<MP>(acc1, dw + (kHalfBytes >> 4) + 2 * kk, dx + 2 * kk);
+        }
+        wgmma_commit();
+        fence_acc(acc0);
+        fence_acc(acc1);
+        if (i > 0) {
+          wgmma_wait<1>();
+          if (lane == 0) mbar_arrive(&empty[(i - 1) % ST]);
+        }
       }
-      wgmma_commit();
+      wgmma_wait<0>();
       fence_acc(acc0);
       fence_acc(acc1);
-      if (i > 0) {
-        wgmma_wait<1>();
-        if (lane == 0) mbar_arrive(&empty[(i - 1) % ST]);
-      }
     }
-    wgmma_wait<0>();
-    fence_acc(acc0);
-    fence_acc(acc1);
-    consumers_sync();  // every warp's multiplies have finished reading the ring: it becomes the partial tile
-    // Partial tile, [MP input rows][kRedPitch floats]: column n < 64 is row block 0's row n, 64 + n block 1's.
-    float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
-    const int g = lane >> 2, t = lane & 3;
+    consumers_sync<C::kConsumers>();  // every warp's multiplies have finished reading the ring: it holds the partials
+    if (wg < active) {
+      // Partial tiles, [WG MP input rows][kRedPitch floats] (chunk c's rows from MP c): column n < 64 is row block
+      // 0's row n, 64 + n block 1's.
+      float* red = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)));
+      const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int j = 0; j < MP / 8; ++j)
+      for (int j = 0; j < MP / 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int m = 8 * j + 2 * t + (e & 1), n = 16 * warp + g + 8 * (e >> 1);
-        red[m * kRedPitch + n] = acc0[4 * j + e];
-        red[m * kRedPitch + 64 + n] = acc1[4 * j + e];
-      }
+        for (int e = 0; e < 4; ++e) {
+          const int m = MP * wg + 8 * j + 2 * t + (e & 1), n = 16 * wwarp + g + 8 * (e >> 1);
+          red[m * kRedPitch + n] = acc0[4 * j + e];
+          red[m * kRedPitch + 64 + n] = acc1[4 * j + e];
+        }
+    }
   }
 
-  // Block `split` finishes 1/S of the tile: units of four adjacent outputs of one input row, summed over the S
-  // partials in split order. All 160 threads.
+  // Block `split` finishes 1/S of the group's outputs: units of four adjacent outputs of one input row, summed over
+  // the S partials in split order (which block sums a unit changes nothing in its bits). All threads.
   if (S > 1)
     cluster_sync();
   else
     __syncthreads();
   const int upm = silu_up ? 16 : kBN / 4;  // units per input row
   const int total = rows * upm, per = (total + S - 1) / S, u1 = min(total, (split + 1) * per);
-  for (int u = split * per + (int)threadIdx.x; u < u1; u += kThreads) {
+  for (int u = split * per + (int)threadIdx.x; u < u1; u += C::kThreads) {
     const int m = u / upm, c = (u % upm) * 4;
     const uint32_t a = base + (uint32_t)(m * kRedPitch + c) * 4;
     const float4 v = sum_splits(a, S);
@@ -383,18 +416,18 @@ cudaLaunchAttribute cluster_attr(int size) {
 
 // Once per instantiation, from the first (uncaptured) call: the dynamic shared-memory limit, and the largest
 // cluster (8, 4, 2) this device holds at this block size (MPS or MIG limits may hold fewer than 8).
-template <int MP>
+template <int MP, int WG = 1>
 int max_splits() {
   static int cap = 0;
   if (cap > 0) return cap;
-  auto* kernel = skinny_gemm_kernel<MP>;
-  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<MP>::kSmem));
+  auto* kernel = skinny_gemm_kernel<MP, WG>;
+  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)Cfg<MP, WG>::kSmem));
   int c = kSkinnyMaxSplits;
   for (; c > 1; c /= 2) {
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(c, 1, 1);
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = Cfg<MP>::kSmem;
+    cfg.blockDim = dim3(Cfg<MP, WG>::kThreads);
+    cfg.dynamicSmemBytes = Cfg<MP, WG>::kSmem;
     cudaLaunchAttribute clu = cluster_attr(c);
     cfg.attrs = &clu;
     cfg.numAttrs = 1;
@@ -443,11 +476,12 @@ int splits_for(int tiles, int kblocks, int MP, int forced) {
   return std::max(1, std::min({s, kSkinnyMaxSplits, kblocks, max_splits_for(MP)}));
 }
 
-template <int MP>
-void launch(const CUtensorMap& tw, const CUtensorMap& tx, const Params& p, int chunks, int tiles, cudaStream_t s) {
+template <int MP, int WG = 1>
+void launch(const CUtensorMap& tw, const CUtensorMap& tx, const Params& p, int groups, int tiles, cudaStream_t s) {
   const cudaLaunchAttribute clu = cluster_attr(p.splits);
-  OI_CUDA_CHECK(launch_kernel(true, skinny_gemm_kernel<MP>, dim3(p.splits, chunks, tiles), dim3(kThreads),
-                              Cfg<MP>::kSmem, s, p.splits > 1 ? &clu : nullptr, tw, tx, p));
+  OI_CUDA_CHECK(launch_kernel(true, skinny_gemm_kernel<MP, WG>, dim3(p.splits, groups, tiles),
+                              dim3(Cfg<MP, WG>::kThreads), Cfg<MP, WG>::kSmem, s, p.splits > 1 ? &clu : nullptr, tw,
+                              tx, p));
 }
 
 // The invariant mode's splits: the plain rule with a fixed SM count instead of the device's, so that the split count,
@@ -461,6 +495,14 @@ int invariant_splits(int N, int K, bool silu_up) {
   while (s < kSkinnyMaxSplits && tiles * s < kInvariantFill) s *= 2;
   return std::min(s, kblocks);
 }
+
+// The invariant mode's row chunks per block at M rows (a speed choice only: the bits are the same at 1, 2 and 4).
+// Up to 64 rows one (decode: the measured kernel, two blocks per SM); then 2, whose two warpgroups share each weight
+// stage (L2 reads per multiply-add 2/3 of one chunk's), two blocks per SM; from kInvariantWideRows 4 (1/2 of one
+// chunk's L2 reads, one block per SM). Guesses, not measured yet (bench_kernels.py --gemm-chain
+// --invariant-chunks=1,2,4 decides).
+constexpr int kInvariantWideRows = 512;
+int invariant_chunks_per_block(int M) { return M <= kSkinnyMaxRows ? 1 : M < kInvariantWideRows ? 2 : 4; }
 
 Params make_params(void* Y, int M, int N, int K, bool accumulate, bool out_f32, bool silu_up) {
   Params p{};
@@ -506,21 +548,43 @@ int skinny_gemm_invariant_splits(int N, int K, bool silu_up) {
   return S <= max_splits<64>() ? S : 0;
 }
 
+int skinny_gemm_invariant_chunks(int M, int N, int K, bool silu_up, int chunks_per_block) {
+  OI_CHECK(chunks_per_block == 0 || chunks_per_block == 1 || chunks_per_block == 2 || chunks_per_block == 4,
+           "skinny_gemm_invariant: chunks_per_block " << chunks_per_block << " (0: the rule, or 1, 2, 4)");
+  const int S = skinny_gemm_invariant_splits(N, K, silu_up);
+  if (M < 1 || S == 0) return 0;
+  const int wg = chunks_per_block > 0 ? chunks_per_block : invariant_chunks_per_block(M);
+  // A block size whose cluster the device cannot hold (MPS, MIG) falls back to one chunk per block: the same bits, so
+  // the refusal above stays a function of the shape alone.
+  if (wg == 4 && S > max_splits<64, 4>()) return 1;
+  if (wg == 2 && S > max_splits<64, 2>()) return 1;
+  return wg;
+}
+
 bool skinny_gemm_invariant(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
-                           cudaStream_t s, bool silu_up) {
+                           cudaStream_t s, bool silu_up, int chunks_per_block) {
   if (M < 1 || !takes_shape(X, W, Y, N, K, accumulate, out_f32, silu_up)) return false;
+  // 0 where the device cannot hold the split cluster (MPS, MIG): the shape is refused at every M, so the caller's
+  // other batch-invariant kernel takes all of its calls.
+  const int wg = skinny_gemm_invariant_chunks(M, N, K, silu_up, chunks_per_block);
+  if (wg == 0) return false;
   const int tiles = tiles_of(N, silu_up), chunks = (M + kSkinnyMaxRows - 1) / kSkinnyMaxRows;
+  const int groups = (chunks + wg - 1) / wg;
   Params p = make_params(Y, M, N, K, accumulate, out_f32, silu_up);
   p.xbox = kSkinnyMaxRows;
   p.splits = invariant_splits(N, K, silu_up);
-  // A device that cannot hold this cluster (MPS, MIG) refuses the shape at every M, so the caller's other
-  // batch-invariant kernel takes all of its calls.
-  if (p.splits > max_splits<64>()) return false;
-  OI_CHECK(tiles <= 65535 && chunks <= 65535,
+  // Several row groups of a multi-chunk block re-read each weight tile soon: keep it in L2 at the normal priority.
+  // The single-chunk kernel keeps evict-first at every M (exactly the measured baseline of 2026-12-07).
+  if (wg > 1 && groups > 1) p.flags |= kKeepWFlag;
+  OI_CHECK(tiles <= 65535 && groups <= 65535,
            "skinny_gemm_invariant: M = " << M << ", N = " << N << " is more tiles than a grid holds");
   const CUtensorMap tw = tensor_map(W, N, K, 64, true, s);  // first: a miss under capture stops here, with a message
   const CUtensorMap tx = tensor_map(X, M, K, kSkinnyMaxRows, false, s);
-  launch<64>(tw, tx, p, chunks, tiles, s);
+  switch (wg) {
+    case 4: launch<64, 4>(tw, tx, p, groups, tiles, s); break;
+    case 2: launch<64, 2>(tw, tx, p, groups, tiles, s); break;
+    default: launch<64, 1>(tw, tx, p, groups, tiles, s); break;
+  }
   return true;
 }
 

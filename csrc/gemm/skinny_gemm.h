@@ -41,8 +41,16 @@ int skinny_gemm_splits(int M, int N, int K, bool silu_up = false, int splits = 0
 // checked by tests/test_gpu_det_skinny.py: a wgmma output column depends only on its own B column (the row's input),
 // and not on where that column sits among the 64. Epilogues and refusals as skinny_gemm's, except that any M >= 1 is
 // taken, and whether a shape is taken never depends on M (a refused shape goes elsewhere at every M).
+// From 65 rows a block takes 2 or 4 chunks (chunks_per_block: 0 the rule, skinny_gemm_invariant_chunks; 1, 2 or 4
+// forced, for tests and A/B), one multiplying warpgroup each, sharing every weight stage in shared memory: each
+// warpgroup issues the single-chunk block's wgmma sequence for its own 64 rows and its rows go through the same split
+// sum and epilogue, so the bits are those of one chunk per block (tests/test_gpu_det_skinny.py compares them); only
+// the L2 traffic changes (the weights are read by a tile's ceil(chunks / 2 or 4) blocks, not by each chunk).
 bool skinny_gemm_invariant(const bf16* X, const bf16* W, void* Y, int M, int N, int K, bool accumulate, bool out_f32,
-                           cudaStream_t s, bool silu_up = false);
+                           cudaStream_t s, bool silu_up = false, int chunks_per_block = 0);
+// The row chunks per block a call of this shape launches (chunks_per_block: 0 the rule, or the forced 1, 2 or 4; 1
+// where the device cannot hold the split cluster at the larger block), 0 where the shape is refused.
+int skinny_gemm_invariant_chunks(int M, int N, int K, bool silu_up = false, int chunks_per_block = 0);
 // Its K splits for this shape (0 where refused): the smallest power of two with tiles x S >= 132, at most 8 and at
 // most the K blocks; a function of (N, K) alone.
 int skinny_gemm_invariant_splits(int N, int K, bool silu_up = false);

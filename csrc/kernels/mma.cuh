@@ -53,6 +53,13 @@ __device__ __forceinline__ uint64_t l2_evict_first() {
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
   return policy;
 }
+// The L2 policy for data that other blocks re-read soon (the weights of a tile in skinny_gemm's invariant mode at
+// several row groups): the default priority, as an explicit policy for the loads that take one.
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 
 // Bulk copy global -> shared by the copy engine (no registers); completion counted on `bar` in bytes.
 // dst, src and bytes are multiples of 16.
