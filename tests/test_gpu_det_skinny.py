@@ -312,10 +312,10 @@ MULTI_M = [65, 127, 128, 129, 255, 1000, 2500]
 
 
 def test_multi_chunk_rule():
-    """The chunks per block skinny_gemm_invariant picks: 1 up to 64 rows, 2 from 65, 4 from 512 (a speed choice; the
+    """The chunks per block skinny_gemm_invariant picks: 1 up to 64 rows, 2 from 65, 4 from 256 (a speed choice; the
     bits are the same, tested below). Not a function of the shape except where the device cannot hold the cluster
     at the larger block (then 1)."""
-    for M, want in ((1, 1), (64, 1), (65, 2), (128, 2), (511, 2), (512, 4), (2500, 4)):
+    for M, want in ((1, 1), (64, 1), (65, 2), (128, 2), (255, 2), (256, 4), (2500, 4)):
         for N, K in GEMMS["4b"]:
             got = ops().skinny_gemm_splits(M, N, K, False, 0, invariant=True)["chunks_per_block"]
             assert got == want, (M, N, K, got)

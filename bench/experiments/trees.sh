@@ -9,7 +9,7 @@
 # persist (the persistent-t tree's tests and its A/B; the fa3 and det phases that decided prefill-wgmma and
 # det-skinny are in git history, 2026-12-07), spec (issue
 # #24's round costs, TPOT at controlled acceptance, the projection: measure-2026-12-07.sh without its A/B),
-# timeline (a graphed 4B decode step at batch 8 through CUPTI, each kernel's marginal time).
+# timeline (4B kernel timelines through CUPTI: decode at batch 8, an 8-token chunk, --deterministic batch 1), model (the 4B against HF), specdet (spec_bench serve --deterministic).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD OUTROOT=$OUT T0=$(date +%s) END=${END:-585}
@@ -43,8 +43,18 @@ for spec in "$@"; do
         --ctx 1024 --steps 24 --prefill-len 8 --out $OUT/engine_t$s.json 2>&1 | grep -E "^qwen3" | sed "s/^/switch=$s /"; done
       ok $OUT/t2.log && timeout $(tmo 300) $F -k "test_4b" 2>&1 | tee $OUT/t3.log | grep -E "^4B|passed|failed|rror" | tail -12) ;;
     spec) T0=$T0 END=$END bash bench/experiments/measure-2026-12-07.sh 2>&1 | grep -v "^alt \|markov" ;;
-    timeline) timeout 90 python3 bench/profile_step.py --preset qwen3-4b --batch 8 --ctx 1024 --graph --steps 4 \
-        --trace $OUT/b8.json > /dev/null 2>&1; python3 bench/timeline_summary.py $OUT/b8.json | head -40 ;;
+    timeline) PS="timeout 60 python3 bench/profile_step.py --preset qwen3-4b --ctx 1024 --steps 4"
+      # where the kernel path's time goes past its GEMMs: decode at batch 8 (graphed), an 8-token chunk of one
+      # sequence (a verify's shape, eager) and batch 1 under --deterministic (the kernel path, graphed)
+      for c in "b8:--batch 8 --graph" "t8:--batch 1 --chunk 8" "det1:--batch 1 --graph --options deterministic=true"; do
+        $PS ${c#*:} --trace $OUT/${c%%:*}.json > $OUT/${c%%:*}.log 2>&1; echo "-- ${c%%:*}"
+        python3 bench/timeline_summary.py $OUT/${c%%:*}.json | head -28; done ;;
+    model) CK=/tmp/ckpt/openinfer-ckpt/qwen3-4b
+      [ -f $CK/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out $CK > /dev/null
+      OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(tmo 200) \
+        python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_model.py -k 4b 2>&1 | tee $OUT/model.log | tail -4 ;;
+    specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
+        --num-drafts 7 --deterministic --out $OUT/spec_serve_4b_det.json 2>&1 | sed -n '/^TPOT and output/,$p' ;;
     *) echo "unknown phase $phase" ;;
   esac
   OUT=$OUTROOT; (cd $OUTROOT && tar czf $phase.tgz $phase && rm -rf $phase)

@@ -497,11 +497,11 @@ int invariant_splits(int N, int K, bool silu_up) {
 }
 
 // The invariant mode's row chunks per block at M rows (a speed choice only: the bits are the same at 1, 2 and 4).
-// Up to 64 rows one (decode: the measured kernel, two blocks per SM); then 2, whose two warpgroups share each weight
-// stage (L2 reads per multiply-add 2/3 of one chunk's), two blocks per SM; from kInvariantWideRows 4 (1/2 of one
-// chunk's L2 reads, one block per SM). Guesses, not measured yet (bench_kernels.py --gemm-chain
-// --invariant-chunks=1,2,4 decides).
-constexpr int kInvariantWideRows = 512;
+// Up to 64 rows one (decode: two blocks per SM); then 2, whose two warpgroups share each weight stage, two blocks per
+// SM; from kInvariantWideRows 4 (one block per SM). A 4B step's GEMMs in one graph (H100, 2026-12-07), us at 1 / 2 /
+// 4 chunks: 128 rows 4,824 / 4,087 / 4,843; 256 rows 7,345 / 6,814 / 6,555; 1,024 26,131 / 21,766 / 19,742 (8B
+// alike; bench/results/h100_2026-12-07_c5/dprefill).
+constexpr int kInvariantWideRows = 256;
 int invariant_chunks_per_block(int M) { return M <= kSkinnyMaxRows ? 1 : M < kInvariantWideRows ? 2 : 4; }
 
 Params make_params(void* Y, int M, int N, int K, bool accumulate, bool out_f32, bool silu_up) {
