@@ -280,6 +280,56 @@ def test_decode_key_warps_equal_one_warp_blocks(model, case):
             assert rel_err(got[True], got[False]) < TOL["attention"] / 2, (cap, splits)
 
 
+# Verify spans (8 tokens: DSpark; 16: DFlash) after 0, 5, 1,000 and 4,095 cached keys, one sequence or three.
+SHORT_CASES = {f"span{n}_{name}": [(p, n) for p in prefixes] for n in (8, 16)
+               for name, prefixes in (("after0", [0]), ("after5", [5]), ("after1000", [1000]), ("after4095", [4095]),
+                                      ("three_0_5_1000", [0, 5, 1000]), ("three_5_1000_4095", [5, 1000, 4095]))}
+
+
+def _short_case(model, case):
+    import zlib
+
+    _, _, nH, nKV = SHAPES[model]
+    seqs = SHORT_CASES[case]
+    rng = np.random.default_rng(zlib.crc32(f"short/{model}/{case}".encode()))
+    args, want = _attention_case(rng, nH, nKV, seqs)
+    return args, want, nH // nKV, seqs
+
+
+@pytest.mark.parametrize("model", ["4b", "32b"])
+@pytest.mark.parametrize("case", list(SHORT_CASES))
+def test_paged_attention_short_items(model, case):
+    """Short chunks in items of 16 query rows (attention_work's short items: 4 tokens at the 4B's group of 4, 2 at
+    the 32B's 8), several items per sequence side by side with causal masks inside each: the decode launch (key
+    warps and cluster merges at split counts that are multiples of 4, one-warp blocks and the merge kernel at 7,
+    one pass at 1) against the reference, at any context (the op cuts whatever the context, as a verify graph)."""
+    args, want, group, seqs = _short_case(model, case)
+    items, max_rows = ops().attention_work(args[3], group, short_items=True)
+    assert max_rows == 16 and len(items) == sum(n for _, n in seqs) * group // 16, items
+    assert all(lead == tok - args[3][seq] for seq, tok, _, lead in items)
+    for splits in (1, 0, 7, 4, 12, 16, 48, 64):
+        got, used = ops().paged_attention(*args, splits, short_items=True)
+        shape = ops().attention_launch_shape(len(items), max_rows, used)
+        assert shape["key_warps"] == (used % 4 == 0), (splits, used, shape)
+        err = rel_err(f32(got).reshape(want.shape), want)
+        assert err < TOL["attention"], (splits, used, err)
+
+
+@pytest.mark.parametrize("model", ["4b", "32b"])
+@pytest.mark.parametrize("case", list(SHORT_CASES))
+def test_short_items_equal_long_items(model, case):
+    """The same spans as one row-warp item per sequence (the items of steps past ATTN_SHORT_ITEMS_MAX_CTX keys,
+    and of --deterministic ones) and as short items: the same function, within the kernels' tolerance."""
+    args, want, group, seqs = _short_case(model, case)
+    items, max_rows = ops().attention_work(args[3], group)
+    assert len(items) == len(seqs) and max_rows == seqs[0][1] * group
+    for splits in (0, 1):
+        short, _ = ops().paged_attention(*args, splits, short_items=True)
+        whole, _ = ops().paged_attention(*args, splits)
+        assert rel_err(f32(whole).reshape(want.shape), want) < TOL["attention"], splits
+        assert rel_err(f32(short), f32(whole)) < TOL["attention"], splits
+
+
 @pytest.mark.parametrize("batch,ctx", [(b, c) for b in (1, 3, 64, 256) for c in (1, 17, 1024, 8191)
                                        if (b, c) != (256, 8191)])
 def test_split_attention_equals_single_pass(batch, ctx):

@@ -44,7 +44,7 @@ def _engine(tmp: Path, target: str, drafter: str, **kw):
     from openinfer.tools.random_checkpoint import drafter_config
 
     d = write_random_drafter(tmp / drafter, drafter_config(drafter), seed=4)
-    kw = dict(device="cuda", draft_model_path=str(d), max_model_len=2048, num_kv_blocks=1024, max_num_seqs=24, **kw)
+    kw = {**dict(device="cuda", draft_model_path=str(d), max_model_len=2048, num_kv_blocks=1024, max_num_seqs=24), **kw}
     if target != "tiny":
         kw["load_format"] = "random"
     return openinfer.Engine(str(_target_dir(tmp, target)), **kw)
@@ -91,11 +91,12 @@ class Seqs:
     Each round's input is [anchor, drafts] at the sequence's next position; afterwards the anchor is the
     token of the last accepted row and the sequence moved on by the accepted count."""
 
-    def __init__(self, be, B, first_block=1, seed=0):
+    def __init__(self, be, B, first_block=1, seed=0, prompt_lens=None, blocks=BLOCKS):
         rng = np.random.default_rng(seed)
         self.be, self.B = be, B
-        self.prompts = [list(map(int, rng.integers(0, 151643, int(rng.integers(3, 90))))) for _ in range(B)]
-        self.tables = [list(range(first_block + BLOCKS * b, first_block + BLOCKS * (b + 1))) for b in range(B)]
+        lens = prompt_lens or [int(rng.integers(3, 90)) for _ in range(B)]
+        self.prompts = [list(map(int, rng.integers(0, 151643, n))) for n in lens]
+        self.tables = [list(range(first_block + blocks * b, first_block + blocks * (b + 1))) for b in range(B)]
         self.params = _params(B)
 
     def prefill(self):
@@ -179,6 +180,34 @@ def test_verify_rounds_replay_equals_eager(spec, B):
         if oracle:
             # a round's first row is the recorded run's first row exactly (same anchor, position, keys)
             assert max(int(a) for out in g[1:] for a in out.accepted) >= 2, "no round accepted a draft"
+
+
+def test_long_context_rounds_replay_whole_span_graphs(tmp_path):
+    """max_model_len past ATTN_SHORT_ITEMS_MAX_CTX: the verify graphs come in two sets, short items (a DFlash span
+    of 16 x the tiny target's group of 2 in items of 8 tokens) for rounds whose sequences hold at most that many
+    keys and whole spans for longer ones (each short item reads its sequence's whole KV range). Rounds on both
+    sides of the limit replay a graph and equal their eager bucket bit for bit; the buckets listed are one set's."""
+    from openinfer import _engine as native
+
+    limit = native.ops.ATTN_SHORT_ITEMS_MAX_CTX
+    eng = _engine(tmp_path, "tiny", "tiny-dflash", max_model_len=2 * limit, max_num_batched_tokens=4 * limit)
+    try:
+        be = eng.llm_engine.backend
+        assert list(be.eng.verify_graph_batches) == [1, 2, 4, 8, 16]
+        span = eng.llm_engine.config.drafter_config.num_drafts + 1
+        blocks = (limit + 8 * span) // 16  # the prompt, 4 rounds and a draft block
+        for B in (1, 3):
+            # the first round's longest context is exactly the limit (short items), the later ones past it
+            lens = [limit - span - 2 * (B - 1 - b) for b in range(B)]
+            before = be.eng.graph_steps
+            g = Seqs(be, B, seed=B, prompt_lens=lens, blocks=blocks).run(4)
+            assert be.eng.graph_steps == before + 4, "a round did not replay its verify graph"
+            e = Seqs(be, B, seed=B, prompt_lens=lens, blocks=blocks).run(4, force_eager=True)
+            assert be.eng.graph_steps == before + 4
+            for x, y in zip(g, e):
+                _same(x, y)
+    finally:
+        eng.close()
 
 
 def test_padding_sequences_touch_nothing(tmp_path):

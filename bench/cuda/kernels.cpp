@@ -278,7 +278,7 @@ PYBIND11_MODULE(_bench, m) {
     std::vector<AttnWork> work;
     int max_rows = 1;
     for (int t0 = 0; t0 < T; t0 += per) {
-      work.push_back(AttnWork{0, t0, std::min(per, T - t0), 0});
+      work.push_back(AttnWork{0, t0, std::min(per, T - t0), t0});
       max_rows = std::max(max_rows, work.back().num_tok * group);
     }
     Dev dbt(bt.size() * 4), dpos((size_t)T * 4), dlen(4), dwork(work.size() * sizeof(AttnWork));

@@ -289,12 +289,13 @@ void bind_ops(py::module_& m) {
           [](const Arr<uint16_t>& qkv, const Arr<uint16_t>& cache, const Arr<int32_t>& block_tables,
              const Arr<int32_t>& qsl, const Arr<int32_t>& context_lens, const Arr<int32_t>& positions, int layer,
              int num_layers, int num_heads, int num_kv_heads, int num_splits, bool key_warps, int cluster_cap,
-             int segment, int prefill_wgmma) {
+             int segment, int prefill_wgmma, bool short_items) {
             const int T = (int)positions.size(), B = (int)context_lens.size(), D = 128;
             if (qsl.size() != B + 1) throw std::invalid_argument("paged_attention: query_start_loc must have B + 1 entries");
             const AttnVariant variant{key_warps, cluster_cap, prefill_wgmma};
             int max_rows = 1, max_ctx = 0;
-            const std::vector<AttnWork> work = attention_work(qsl.data(), B, num_heads / num_kv_heads, &max_rows);
+            // short_items: cut whatever the context, as a verify graph captures them
+            const std::vector<AttnWork> work = attention_work(qsl.data(), B, num_heads / num_kv_heads, &max_rows, short_items);
             for (int b = 0; b < B; ++b) max_ctx = std::max(max_ctx, context_lens.at(b));
             cudaDeviceProp prop{};
             OI_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -349,11 +350,30 @@ void bind_ops(py::module_& m) {
           py::arg("qkv"), py::arg("cache"), py::arg("block_tables"), py::arg("query_start_loc"), py::arg("context_lens"),
           py::arg("positions"), py::arg("layer"), py::arg("num_layers"), py::arg("num_heads"), py::arg("num_kv_heads"),
           py::arg("num_splits"), py::arg("key_warps") = true, py::arg("cluster_cap") = 0, py::arg("segment") = 0,
-          py::arg("prefill_wgmma") = 1,
+          py::arg("prefill_wgmma") = 1, py::arg("short_items") = false,
           "(out, splits used); num_splits <= 0: the launch heuristic; key_warps False: one-warp decode blocks; "
           "cluster_cap > 0: decode clusters of at most that many blocks; segment > 0: chunk-invariant keys in segments of "
           "that many (AttnArgs::segment), num_splits <= 0 then attn_segment_splits' count; prefill_wgmma: "
-          "AttnVariant::prefill_wgmma (0 off, 1 on where it takes the launch, 2 forced: raises where it is refused)");
+          "AttnVariant::prefill_wgmma (0 off, 1 on where it takes the launch, 2 forced: raises where it is refused); "
+          "short_items: chunks of up to ATTN_SHORT_CHUNK tokens in items of 16 rows at any context (attention_work)");
+  ops.def("attention_work", [](const Arr<int32_t>& qsl, int group, bool short_items, py::object context_lens) {
+    const int B = (int)qsl.size() - 1;
+    if (B < 0 || group < 1) throw std::invalid_argument("attention_work: query_start_loc needs B + 1 entries, group >= 1");
+    Arr<int32_t> ctx;
+    if (!context_lens.is_none()) {
+      ctx = context_lens.cast<Arr<int32_t>>();
+      if (ctx.size() != B) throw std::invalid_argument("attention_work: context_lens must have B entries");
+    }
+    int max_rows = 1;
+    const std::vector<AttnWork> work = attention_work(qsl.data(), B, group, &max_rows, short_items,
+                                                      context_lens.is_none() ? nullptr : ctx.data());
+    py::list items;
+    for (const AttnWork& w : work) items.append(py::make_tuple(w.seq, w.tok_start, w.num_tok, w.lead));
+    return py::make_tuple(items, max_rows);
+  }, py::arg("query_start_loc"), py::arg("group"), py::arg("short_items") = false, py::arg("context_lens") = py::none(),
+     "(items [(seq, tok_start, num_tok, lead)], max_rows): a step's attention items as plan_step makes them (host only)");
+  ops.attr("ATTN_SHORT_CHUNK") = kAttnShortChunk;
+  ops.attr("ATTN_SHORT_ITEMS_MAX_CTX") = kAttnShortItemsMaxCtx;
   ops.def("prefill_wgmma_device", [] { return prefill_wgmma_device(); },
           "whether the current device runs the sm_90a wgmma kernels (compute capability 9.0)");
   ops.attr("ATTN_SEGMENT") = kAttnSegment;

@@ -151,6 +151,7 @@ class Engine {
     cudaGraphExec_t exec = nullptr;   // null when cuda_graph is off
     cudaGraph_t graph = nullptr;      // verify graphs: kept for the node handle below
     cudaGraphNode_t split = nullptr;  // verify graphs: the event record node between the target's part and the drafter's
+    int set = 0;                      // verify graphs: their attention items (verify_items_)
   };
   struct GraphArena {
     size_t ids, pos, slots, ctx, sidx, spos, topk, temp, topp, seeds, work, prev, bt, tokens, logprobs, bytes;
@@ -160,8 +161,8 @@ class Engine {
   // B sequences; queueing a step through the current image; waiting for one.
   void alloc_arena(size_t bytes);
   void capture_buckets(const std::vector<int>& sizes, const std::function<void(int batch, bool capturing)>& body,
-                       bool split);
-  const Graph* bucket(int B) const;
+                       bool split, int set = 0);
+  const Graph* bucket(int B, int set = 0) const;
   char* arena_image() const;
   void replay(const Graph& g, bool force_eager, const std::function<void()>& eager);
   void queue_graph_step(Pending p, const int32_t* dev_tokens);
@@ -173,11 +174,11 @@ class Engine {
   // Verify rounds (an engine with a drafter): per bucket, the verify forward over [anchor, d1..dk] of every
   // sequence (k = the drafter's num_drafts) and the drafter's pass after it, in one graph.
   struct VerifyArena {
-    size_t ids, pos, slots, topk, temp, topp, seeds, ctx, bt, tokens, logprobs, accepted, drafts, seq_rows, work,
+    size_t ids, pos, slots, topk, temp, topp, seeds, ctx, bt, tokens, logprobs, accepted, drafts, seq_rows, work[2],
         draft_work, bytes;
   };
   void capture_verify_graphs();
-  StepMeta verify_meta(int batch, const KernelChoice& k) const;
+  StepMeta verify_meta(int batch, const KernelChoice& k, int set) const;
   DraftStage verify_draft_stage(int batch) const;
   void pad_verify_rows(char* h, int b0, int b1) const;
   bool launch_verify_graph(const StepInput& in);  // queues a verify bucket step; false when the step is not one
@@ -209,7 +210,7 @@ class Engine {
   bool finalized_ = false;
   bool pdl_capable_ = false;  // sm_90+
   bool pdl_ = false;          // programmatic dependent launch (options, and capable)
-  std::vector<Graph> graphs_;  // ascending batch: decode buckets, or verify buckets in an engine with a drafter
+  std::vector<Graph> graphs_;  // decode buckets, or verify buckets in an engine with a drafter: ascending batch per set
   GraphArena ga_{};
   char* graph_host_[2] = {nullptr, nullptr};  // pinned arena images; launches alternate between them
   // per slot: start, end of the forward, outputs on the host, end of the target's part (verify graphs)
@@ -222,7 +223,11 @@ class Engine {
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
   int64_t graph_steps_ = 0, graph_bytes_ = 0;
   VerifyArena va_{};  // the arena's layout in an engine with a drafter (ga_ without one)
-  int verify_span_ = 0, verify_bt_stride_ = 0, verify_items_ = 0, verify_max_rows_ = 0, verify_draft_items_ = 0;
+  int verify_span_ = 0, verify_bt_stride_ = 0, verify_draft_items_ = 0;
+  // The verify graphs' attention items per sequence and their most rows, per set: 0, every round's where one set
+  // is captured, else those of rounds up to kAttnShortItemsMaxCtx keys (short items, plan.h); 1, the longer
+  // rounds' (whole spans). Two sets where short items cut the span and max_model_len exceeds that context.
+  int verify_items_[2] = {}, verify_max_rows_[2] = {}, verify_sets_ = 1;
   char* stage_[2] = {nullptr, nullptr};  // pinned upload stages (weights only; freed by finalize)
   cudaEvent_t stage_ev_[2] = {nullptr, nullptr};
   int stage_cur_ = 0;

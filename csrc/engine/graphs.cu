@@ -23,7 +23,8 @@ std::vector<int> graph_batch_sizes(int max_num_seqs) {
 std::vector<int> Engine::graph_batches(bool verify) const {
   std::vector<int> out;
   if (verify == (dr_ != nullptr))
-    for (const auto& g : graphs_) out.push_back(g.batch);
+    for (const auto& g : graphs_)
+      if (g.set == 0) out.push_back(g.batch);
   return out;
 }
 
@@ -115,7 +116,8 @@ void Engine::alloc_arena(size_t bytes) {
 // capture), then the capture (body's second argument). split: body records graph_ev_[0][3] once with
 // cudaEventRecordExternal while capturing (the flag is invalid outside capture), and the graph keeps that record
 // node, which each replay points at its own image's event (draft_ms).
-void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<void(int, bool)>& body, bool split) {
+void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<void(int, bool)>& body, bool split,
+                             int set) {
   size_t free0 = 0, free1 = 0, total = 0;
   OI_CUDA_CHECK(cudaMemGetInfo(&free0, &total));
   gemm_->set_autotune(opt_.gemm_autotune);
@@ -124,6 +126,7 @@ void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<
     OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
     Graph gr;
     gr.batch = b;
+    gr.set = set;
     if (opt_.cuda_graph) {  // else the same bucketed kernels run eagerly: identical outputs either way
       cudaGraph_t g = nullptr;
       OI_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
@@ -152,12 +155,12 @@ void Engine::capture_buckets(const std::vector<int>& sizes, const std::function<
   gemm_->set_autotune(false);
   OI_CUDA_CHECK(cudaStreamSynchronize(stream_));
   OI_CUDA_CHECK(cudaMemGetInfo(&free1, &total));
-  graph_bytes_ = free0 > free1 ? (int64_t)(free0 - free1) : 0;
+  graph_bytes_ += free0 > free1 ? (int64_t)(free0 - free1) : 0;
 }
 
-const Engine::Graph* Engine::bucket(int B) const {
+const Engine::Graph* Engine::bucket(int B, int set) const {
   for (const auto& g : graphs_)
-    if (g.batch >= B) return &g;
+    if (g.set == set && g.batch >= B) return &g;
   return nullptr;
 }
 
@@ -287,21 +290,23 @@ StepResult Engine::finish_graph(const Pending& p) {
 // (span = num_drafts + 1), every row sampled, every sequence drafting its next round: the verify forward
 // (writing the drafter's context features), count_accepted, then the drafter's context and block passes.
 // Padded to a bucket, everything the eager step decides on the host is fixed per bucket: the attention
-// items (each sequence's span in the same items), the split counts (sized for the longest context, as the
-// decode graphs do: a short context uses the splits it fills and the rest exit at once), the sampled rows
-// (all: sample_idx = 0..T-1), each sequence's first row (b x span) and the drafter's one block pass (buckets
-// up to DrafterState::chunk). The anchors, positions and accepted counts the drafter needs are read on the
+// items (each sequence's span in the same items: short items, plan.h, as the eager step cuts them up to
+// kAttnShortItemsMaxCtx keys, and where a round may hold more keys a second set of graphs with whole spans,
+// picked per round by its longest context; --deterministic: whole spans, one set), the split counts (sized for
+// the longest context, as the decode graphs do: a short context uses the splits it fills and the rest exit at
+// once), the sampled rows (all: sample_idx = 0..T-1), each sequence's first row (b x span) and the drafter's
+// one block pass (buckets up to DrafterState::chunk). The anchors, positions and accepted counts the drafter needs are read on the
 // device (draft_inputs). Padding sequences sit at positions 0..span-1 of the reserved block 0 with slot -1:
 // they write no K/V in either pool (their draft block's slots are -1 too: draft_inputs maps block 0 to -1)
 // and read zeros; their tokens and drafts are dropped.
 
-StepMeta Engine::verify_meta(int batch, const KernelChoice& k) const {
+StepMeta Engine::verify_meta(int batch, const KernelChoice& k, int set) const {
   StepMeta m{};
   m.B = batch;
   m.T = m.S = batch * verify_span_;
   m.bt_stride = verify_bt_stride_;
-  m.num_work = batch * verify_items_;
-  m.max_rows = verify_max_rows_;
+  m.num_work = batch * verify_items_[set];
+  m.max_rows = verify_max_rows_[set];
   m.num_splits = attn_num_splits(m.num_work, d_.kv_heads, opt_.max_model_len, m.T, num_sms_, max_split_rows_,
                                  m.max_rows, k.attention);
   m.gemm_path = GemmPath::kLibrary;
@@ -324,7 +329,7 @@ StepMeta Engine::verify_meta(int batch, const KernelChoice& k) const {
   m.temperature = (const float*)(d + va_.temp);
   m.top_p = (const float*)(d + va_.topp);
   m.seeds = (const uint64_t*)(d + va_.seeds);
-  m.work = (const AttnWork*)(d + va_.work);
+  m.work = (const AttnWork*)(d + va_.work[set]);
   m.seq_rows = (const int32_t*)(d + va_.seq_rows);
   m.out_tokens = (int32_t*)(d + va_.tokens);
   m.out_logprobs = (float*)(d + va_.logprobs);
@@ -377,11 +382,16 @@ void Engine::capture_verify_graphs() {
   const int Bmax = sizes.back(), T = Bmax * span;
   verify_span_ = span;
   verify_bt_stride_ = (opt_.max_model_len + bsz + opt_.kv_block_size - 1) / opt_.kv_block_size;
-  // Attention items of the largest bucket; a smaller bucket's are its first ones (sequence order).
+  // Attention items of the largest bucket; a smaller bucket's are its first ones (sequence order). Short items
+  // whatever the context (unknown here), and whole spans for rounds past kAttnShortItemsMaxCtx where they differ.
   std::vector<int32_t> qsl(Bmax + 1), seq_rows(Bmax + 1);
   for (int b = 0; b <= Bmax; ++b) qsl[b] = seq_rows[b] = b * span;
-  const std::vector<AttnWork> work = attention_work(qsl.data(), Bmax, group, &verify_max_rows_);
-  verify_items_ = (int)work.size() / Bmax;
+  std::vector<AttnWork> work[2];
+  for (int set = 0; set < 2; ++set) {
+    work[set] = attention_work(qsl.data(), Bmax, group, &verify_max_rows_[set], set == 0 && !opt_.deterministic);
+    verify_items_[set] = (int)work[set].size() / Bmax;
+  }
+  verify_sets_ = work[0].size() != work[1].size() && opt_.max_model_len > kAttnShortItemsMaxCtx ? 2 : 1;
   const int qt = attn_tokens_per_item(group);
   std::vector<AttnWork> dwork;  // the block pass's items, as stage_draft makes them (sequence d drafts in rows d x block..)
   for (int d = 0; d < Bmax; ++d)
@@ -398,7 +408,8 @@ void Engine::capture_verify_graphs() {
   // after the copied prefix: the next launch's copy must not clobber the tokens its feed may read
   a.tokens = field(T * 4); a.logprobs = field(T * 4); a.accepted = field(Bmax * 4);
   a.drafts = field((size_t)Bmax * dd.num_drafts * 4);
-  a.seq_rows = field((Bmax + 1) * 4); a.work = field(work.size() * sizeof(AttnWork));
+  a.seq_rows = field((Bmax + 1) * 4);
+  for (int set = 0; set < 2; ++set) a.work[set] = field(work[set].size() * sizeof(AttnWork));
   a.draft_work = field(dwork.size() * sizeof(AttnWork));
   a.bytes = off;
   alloc_arena(a.bytes);
@@ -406,18 +417,19 @@ void Engine::capture_verify_graphs() {
   std::memset(h0, 0, a.bytes);
   pad_verify_rows(h0, 0, Bmax);  // capture over padding only: nothing real is touched
   std::memcpy(h0 + a.seq_rows, seq_rows.data(), seq_rows.size() * 4);
-  std::memcpy(h0 + a.work, work.data(), work.size() * sizeof(AttnWork));
+  for (int set = 0; set < 2; ++set) std::memcpy(h0 + a.work[set], work[set].data(), work[set].size() * sizeof(AttnWork));
   std::memcpy(h0 + a.draft_work, dwork.data(), dwork.size() * sizeof(AttnWork));
   OI_CUDA_CHECK(cudaMemcpy(graph_dev_, h0, a.bytes, cudaMemcpyHostToDevice));  // the constants stay on the device
 
   int32_t* drafts = reinterpret_cast<int32_t*>(graph_dev_ + a.drafts);
-  capture_buckets(sizes, [&](int b, bool capturing) {
-    const StepMeta m = verify_meta(b, KernelChoice{});
-    qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
-    // an event record node (a plain record in a capture is only an ordering): the drafter's device time
-    if (capturing) OI_CUDA_CHECK(cudaEventRecordWithFlags(graph_ev_[0][3], stream_, cudaEventRecordExternal));
-    run_drafter(m, verify_draft_stage(b), drafts, KernelChoice{}.attention);
-  }, true);
+  for (int set = 0; set < verify_sets_; ++set)
+    capture_buckets(sizes, [&](int b, bool capturing) {
+      const StepMeta m = verify_meta(b, KernelChoice{}, set);
+      qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
+      // an event record node (a plain record in a capture is only an ordering): the drafter's device time
+      if (capturing) OI_CUDA_CHECK(cudaEventRecordWithFlags(graph_ev_[0][3], stream_, cudaEventRecordExternal));
+      run_drafter(m, verify_draft_stage(b), drafts, KernelChoice{}.attention);
+    }, true, set);
 }
 
 // A verify round of the drafter's span for every sequence, each drafting (the scheduler's steady state),
@@ -429,7 +441,11 @@ bool Engine::launch_verify_graph(const StepInput& in) {
   if (!dr_ || graphs_.empty() || !in.verify || in.n_draft != B || in.T() != T || in.S() != T || in.num_logprobs != 0 ||
       in.return_logits || in.n_tap_layers > 0 || in.kv_load_wait || in.prev_rows)
     return false;
-  const Graph* g = bucket(B);
+  // Rounds past kAttnShortItemsMaxCtx keys take the whole-span set: each short item reads its sequence's whole KV.
+  int set = 0;
+  for (int b = 0; b < B && verify_sets_ > 1; ++b)
+    if (in.context_lens[b] > kAttnShortItemsMaxCtx) set = 1;
+  const Graph* g = bucket(B, set);
   if (!g) return false;
   for (int b = 0; b < B; ++b)
     if (in.draft[b] != 1 || in.query_start_loc[b] != b * span) return false;
@@ -453,7 +469,7 @@ bool Engine::launch_verify_graph(const StepInput& in) {
   OI_CUDA_CHECK(cudaMemcpyAsync(graph_dev_, h, va_.bt + (size_t)Bg * W * 4, cudaMemcpyHostToDevice, stream_));
   OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][0], stream_));
   replay(*g, in.force_eager, [&] {
-    const StepMeta m = verify_meta(Bg, eager_kernels_);
+    const StepMeta m = verify_meta(Bg, eager_kernels_, set);
     qwen3_forward(d_, w_, act_, m, rope_, kv_cache_, kv_, *gemm_, num_sms_, stream_);
     OI_CUDA_CHECK(cudaEventRecord(graph_ev_[graph_slot_][3], stream_));
     run_drafter(m, verify_draft_stage(Bg), drafts, eager_kernels_.attention);

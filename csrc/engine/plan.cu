@@ -6,15 +6,26 @@
 
 namespace oi {
 
-std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows) {
-  const int qt = attn_tokens_per_item(group);
+std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows, bool short_items,
+                                     const int32_t* context_lens) {
+  const int32_t* qsl = query_start_loc;
+  int qt = attn_tokens_per_item(group);
+  const int st = attn_short_tokens_per_item(group);
+  if (short_items && st > 0) {
+    bool fits = true;
+    for (int b = 0; b < B && fits; ++b) {
+      const int n = qsl[b + 1] - qsl[b];
+      fits = n <= st || (n <= kAttnShortChunk && (!context_lens || context_lens[b] <= kAttnShortItemsMaxCtx));
+    }
+    if (fits) qt = st;
+  }
   std::vector<AttnWork> work;
-  work.reserve(query_start_loc[B] / qt + B + 1);
+  work.reserve(qsl[B] / qt + B + 1);
   *max_rows = 1;
   for (int b = 0; b < B; ++b)
-    for (int t0 = query_start_loc[b]; t0 < query_start_loc[b + 1]; t0 += qt) {
-      const int n = std::min(qt, query_start_loc[b + 1] - t0);
-      work.push_back(AttnWork{b, t0, n, 0});
+    for (int t0 = qsl[b]; t0 < qsl[b + 1]; t0 += qt) {
+      const int n = std::min(qt, qsl[b + 1] - t0);
+      work.push_back(AttnWork{b, t0, n, t0 - qsl[b]});
       *max_rows = std::max(*max_rows, n * group);
     }
   return work;
@@ -63,7 +74,8 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
     }
     p.max_ctx = std::max(p.max_ctx, ctx);
   }
-  p.work = attention_work(qsl, B, group, &p.max_rows);
+  // Deterministic steps keep whole chunks: their segment items (and bits) are fixed.
+  p.work = attention_work(qsl, B, group, &p.max_rows, !lim.deterministic, in.context_lens);
   if (lim.deterministic) {  // a row's attention must not depend on the step it is in
     p.segment = kAttnSegment;
     p.num_splits = attn_segment_splits((int)p.work.size(), d.kv_heads, p.max_ctx, T, lim.num_sms, lim.max_split_rows);

@@ -39,8 +39,12 @@ struct StepPlan {
 };
 
 // Attention work items of a step: each sequence's tokens in items of up to attn_tokens_per_item(group).
-// max_rows gets the most query rows (tokens x group) of one item.
-std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows);
+// max_rows gets the most query rows (tokens x group) of one item. short_items: chunks of up to kAttnShortChunk
+// tokens in items of attn_short_tokens_per_item(group) (16 rows), where every item of the step then has at most
+// 16 rows (a launch of wider items takes row-warp blocks whatever these are cut to); context_lens, where given
+// (null: a graph's capture), keeps sequences past kAttnShortItemsMaxCtx keys whole, and so the whole step.
+std::vector<AttnWork> attention_work(const int32_t* query_start_loc, int B, int group, int* max_rows,
+                                     bool short_items = false, const int32_t* context_lens = nullptr);
 
 StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& lim, const AttnVariant& v);
 

@@ -168,7 +168,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   };
 
   // The first kStages - 1 tiles go out before Q is read (a group per tile, empty past the split's keys),
-  // before the wait when they hold only keys of earlier steps (below the item's first position - own_keys_below).
+  // before the wait when they hold only keys of earlier steps: below the first position of the sequence's tokens
+  // in this step (an item of a cut chunk starts w.lead tokens past it), less own_keys_below.
   auto prologue = [&] {
 #pragma unroll
     for (int t = 0; t < kStages - 1; ++t) {
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
       else cp_async_commit();
     }
   };
-  const bool old_keys = klo + (kStages - 1) * KT <= a.positions[w.tok_start] - a.own_keys_below;
+  const bool old_keys = klo + (kStages - 1) * KT <= a.positions[w.tok_start - w.lead] - a.own_keys_below;
   if (old_keys) prologue();
   pdl_wait();
   if (!old_keys) prologue();

@@ -12,7 +12,10 @@
 namespace oi {
 
 struct AttnWork {
-  int32_t seq, tok_start, num_tok, pad;
+  int32_t seq, tok_start, num_tok;
+  // Tokens of the sequence before the item in this step (a chunk cut into several items): their keys are this
+  // step's, so an early (PDL) launch requests none of them before its wait.
+  int32_t lead;
 };
 
 // Kernel choice for decode rows. The defaults are what the engine runs; tests force the other kernels
@@ -81,6 +84,17 @@ constexpr int kAttnMaxSegments = 256;     // a segmented launch's splits (its me
 
 // Tokens per work item for a group size (rows per block / group).
 inline int attn_tokens_per_item(int group) { return group >= kAttnMaxRowsPerBlock ? 1 : kAttnMaxRowsPerBlock / group; }
+
+// Short chunks (up to this many tokens: a verify step's span, DFlash's 16) are cut into items of at most 16 query
+// rows, so that they take the decode launch (key-warp blocks, the cluster merge, early launch) instead of one
+// row-warp item with a workspace merge kernel: a 4B span-8 verify at 1,024 keys spent ~20 us per layer in
+// attention against ~9 us for a decode row (H100). Each item reads the sequence's whole KV range, though.
+constexpr int kAttnShortChunk = 16;
+// Short items only up to this context: n items read the KV n times (expected to lose at 8k+ keys). A guess, to be
+// measured.
+constexpr int kAttnShortItemsMaxCtx = 4096;
+// Tokens per short item (16 rows), 0 where a token's group alone exceeds 16 rows (no cut).
+inline int attn_short_tokens_per_item(int group) { return group > 16 ? 0 : 16 / group; }
 
 // How many key splits fill the GPU for this launch (1 when the grid is already large).
 // `max_rows` as in AttnArgs (decode rows may take key-warp splits of 16 keys).
