@@ -9,7 +9,9 @@
 # persist (the persistent-t tree's tests and its A/B; the fa3 and det phases that decided prefill-wgmma and
 # det-skinny are in git history, 2026-12-07), spec (issue
 # #24's round costs, TPOT at controlled acceptance, the projection: measure-2026-12-07.sh without its A/B),
-# timeline (4B kernel timelines through CUPTI: decode at batch 8, an 8-token chunk, --deterministic batch 1), model (the 4B against HF), specdet (spec_bench serve --deterministic).
+# timeline (4B kernel timelines through CUPTI: decode at batch 8, an 8-token chunk, --deterministic batch 1), ab (the
+# engine and speculative rounds of this tree, .exp/base.tgz and every other .exp tree; the fused-norm and short-items
+# phases that ran on 2026-12-07 are in git history), model (the 4B against HF), specdet (spec_bench serve --deterministic).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD OUTROOT=$OUT T0=$(date +%s) END=${END:-585}
@@ -53,6 +55,15 @@ for spec in "$@"; do
       [ -f $CK/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out $CK > /dev/null
       OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(tmo 200) \
         python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_model.py -k 4b 2>&1 | tee $OUT/model.log | tail -4 ;;
+    ab) # GPU ms of this tree against .exp/base (the tree before) and the other .exp trees: decode, an 8-token step, prefill, both modes; rounds
+      for t in base this $(ls $ROOT/.exp | grep -v base | sed 's/.tgz//'); do d=$ROOT; [ $t != this ] && d=$(tree $t)
+        (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
+         timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 8,1024 --steps 24 \
+           --options "deterministic=false;deterministic=true" --out $OUT/engine_$t.json 2>&1 | grep -E "^qwen3" | sed "s/^/$t /"
+         D4=/tmp/ckpt/dspark-qwen3-4b; [ -f $D4/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset dspark-qwen3-4b --out $D4 > /dev/null 2>&1
+         timeout $(tmo 100) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches 1,4,8 --spans 8 \
+           --draft-model-path $D4 --out $OUT/rounds_$t.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p' | sed "s/^/$t /")
+      done ;;
     specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
         --num-drafts 7 --deterministic --out $OUT/spec_serve_4b_det.json 2>&1 | sed -n '/^TPOT and output/,$p' ;;
     *) echo "unknown phase $phase" ;;
