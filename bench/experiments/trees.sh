@@ -32,9 +32,9 @@ for spec in "$@"; do
     tests) CK=/tmp/ckpt/openinfer-ckpt/qwen3-4b
       [ -f $CK/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out $CK > /dev/null
       OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(( $(rest) - 5 )) \
-        python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_verify_graphs.py tests/test_gpu_graphs.py \
+        python3 -m pytest -q -rfEs -p no:cacheprovider ${TESTS:-tests/test_gpu_verify_graphs.py tests/test_gpu_graphs.py \
         tests/test_gpu_drafter.py tests/test_gpu_step_contract.py tests/test_gpu_model.py tests/test_server.py \
-        tests/test_gpu_consistency.py -k "not 0.6b and not 8b" 2>&1 | tee $OUT/tests.log | tail -25 ;;
+        tests/test_gpu_consistency.py} -k "not 0.6b and not 8b" 2>&1 | tee $OUT/tests.log | tail -25 ;;
     persist) (cd $(tree persist) && source bench/device_setup.sh && F="python3 -m pytest -q -x -rfE -s -p no:cacheprovider tests/test_gpu_persistent_t.py"
       # persistent-t/run.sh's tests, smallest first, with a quick A/B (decode b1 vs an 8-token step) before the 4B's
       ok() { grep -qE "[0-9]+ passed" $1 && ! grep -qE "[0-9]+ (failed|error)" $1; }
@@ -58,10 +58,10 @@ for spec in "$@"; do
     ab) # GPU ms of this tree against .exp/base (the tree before) and the other .exp trees: decode, an 8-token step, prefill, both modes; rounds
       for t in base this $(ls $ROOT/.exp | grep -v base | sed 's/.tgz//'); do d=$ROOT; [ $t != this ] && d=$(tree $t)
         (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
-         timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches 1,8,32,64 --prefill-len 8,1024 --steps 24 \
+         timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches ${AB_BATCHES:-1,8,32,64} --prefill-len ${AB_PREFILL:-8,1024} --steps 24 \
            --options "deterministic=false;deterministic=true" --out $OUT/engine_$t.json 2>&1 | grep -E "^qwen3" | sed "s/^/$t /"
          D4=/tmp/ckpt/dspark-qwen3-4b; [ -f $D4/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset dspark-qwen3-4b --out $D4 > /dev/null 2>&1
-         timeout $(tmo 100) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches 1,4,8 --spans 8 \
+         timeout $(tmo 100) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches ${AB_ROUNDS:-1,4,8} --spans 8 \
            --draft-model-path $D4 --out $OUT/rounds_$t.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p' | sed "s/^/$t /")
       done ;;
     specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
