@@ -11,7 +11,7 @@
 # #24's round costs, TPOT at controlled acceptance, the projection: measure-2026-12-07.sh without its A/B),
 # timeline (4B kernel timelines through CUPTI: decode at batch 8, an 8-token chunk, --deterministic batch 1), ab (the
 # engine and speculative rounds of this tree, .exp/base.tgz and every other .exp tree; the fused-norm and short-items
-# phases that ran on 2026-12-07 are in git history), model (the 4B against HF), specdet (spec_bench serve --deterministic).
+# phases that ran on 2026-12-07 are in git history), model (the 4B against HF), tt (TTESTS inside the TT trees), longverify (verify at long contexts), specdet (spec_bench serve --deterministic).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD OUTROOT=$OUT T0=$(date +%s) END=${END:-585}
@@ -64,6 +64,15 @@ for spec in "$@"; do
          timeout $(tmo 100) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches ${AB_ROUNDS:-1,4,8} --spans 8 \
            --draft-model-path $D4 --out $OUT/rounds_$t.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p' | sed "s/^/$t /")
       done ;;
+    tt) # GPU tests inside packed trees: TT="name ..." (default every .exp tree but base), TTESTS the files; a tree's first failure stops it
+      for t in ${TT:-$(ls $ROOT/.exp | grep -v base | sed 's/.tgz//')}; do (cd $(tree $t) && source bench/device_setup.sh && \
+        timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider $TTESTS 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
+    longverify) # the plain engine's verify over 8 tokens at long contexts, this tree and every .exp tree but base (LV_CTX)
+      for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(ls $ROOT/.exp | grep -v base | sed 's/.tgz//'); do d=$ROOT; [ $t != this ] && d=$(tree $t)
+        (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
+         timeout $(tmo 60) python3 bench/spec_bench.py rounds --preset qwen3-4b --context $ctx --batches ${LV_BATCHES:-1,4} --spans 8 \
+           --rounds 12 --out $OUT/verify_${t}_$ctx.json 2>>$OUT/spec.log | grep -E "target +(decode|verify)" | sed "s/^/$t ctx=$ctx /")
+      done; done ;;
     specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
         --num-drafts 7 --deterministic --out $OUT/spec_serve_4b_det.json 2>&1 | sed -n '/^TPOT and output/,$p' ;;
     *) echo "unknown phase $phase" ;;
