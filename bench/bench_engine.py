@@ -150,9 +150,10 @@ def bench_preset(preset: str, ctx: int, batches: list[int], steps: int, prefill_
     import openinfer
 
     t0 = time.perf_counter()
-    eng = openinfer.Engine(str(model_dir(preset)), device="cuda", load_format="random", max_num_seqs=max(batches, default=1),
-                           max_model_len=max(ctx + 2 * steps + 16, max(prefill_lens) + 16), pdl=pdl != "0",
-                           **(options or {}))
+    # --options may set any of these too (max_model_len=40960: the split counts a server's graphs are sized for)
+    kw = dict(device="cuda", load_format="random", max_num_seqs=max(batches, default=1),
+              max_model_len=max(ctx + 2 * steps + 16, max(prefill_lens) + 16), pdl=pdl != "0")
+    eng = openinfer.Engine(str(model_dir(preset)), **{**kw, **(options or {})})
     init_s = time.perf_counter() - t0
     r = Runner(eng.llm_engine.backend, eng.llm_engine.model_config.vocab_size, sampling=sampling)
     rows = []

@@ -33,9 +33,9 @@ def main() -> None:
     from bench_engine import option_settings
     from openinfer import _engine
 
-    eng = openinfer.Engine(str(model_dir(a.preset)), device="cuda", load_format="random",
-                           max_model_len=a.ctx + 64 + a.chunk * (a.steps + 3), max_num_seqs=max(8, a.batch),
-                           cuda_graph=a.graph, **option_settings(a.options)[0][1])
+    kw = dict(device="cuda", load_format="random", max_model_len=a.ctx + 64 + a.chunk * (a.steps + 3),
+              max_num_seqs=max(8, a.batch), cuda_graph=a.graph)
+    eng = openinfer.Engine(str(model_dir(a.preset)), **{**kw, **option_settings(a.options)[0][1]})
     r = Runner(eng.llm_engine.backend, 151936)
     seqs = [r.alloc(a.ctx + 8 + a.chunk * (a.steps + 3)) for _ in range(a.batch)]
     for s in seqs:  # the prompt in chunks of at most one step's token budget

@@ -48,7 +48,10 @@ for spec in "$@"; do
     timeline) PS="timeout 60 python3 bench/profile_step.py --preset qwen3-4b --ctx 1024 --steps 4"
       # where the kernel path's time goes past its GEMMs: decode at batch 8 (graphed), an 8-token chunk of one
       # sequence (a verify's shape, eager) and batch 1 under --deterministic (the kernel path, graphed)
-      for c in "b8:--batch 8 --graph" "t8:--batch 1 --chunk 8" "det1:--batch 1 --graph --options deterministic=true"; do
+      # (TL: other "name:args" lines, e.g. "b32:--batch 32 --graph" "det1L:--batch 1 --graph --options deterministic=true,max_model_len=40960")
+      TLS=("b8:--batch 8 --graph" "t8:--batch 1 --chunk 8" "det1:--batch 1 --graph --options deterministic=true")
+      [ -n "${TL:-}" ] && eval "TLS=($TL)"
+      for c in "${TLS[@]}"; do
         $PS ${c#*:} --trace $OUT/${c%%:*}.json > $OUT/${c%%:*}.log 2>&1; echo "-- ${c%%:*}"
         python3 bench/timeline_summary.py $OUT/${c%%:*}.json | head -28; done ;;
     model) CK=/tmp/ckpt/openinfer-ckpt/qwen3-4b
