@@ -21,6 +21,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 rest() { echo $(( PEND - $(date +%s) )); }  # seconds left to the phase
 tmo() { local r=$(( $(rest) - 3 )) t=$1; [ $t -lt $r ] || t=$r; echo $(( t > 1 ? t : 1 )); }  # a step's timeout inside the phase
 el() { echo "[$(( $(date +%s) - T0 )) s] $1"; }
+others() { ls $ROOT/.exp | grep -v '^base' | sed 's/.tgz//'; }  # every packed tree but base
 tree() {  # unpacks .exp/$1.tgz once, prints its folder
   local d=/tmp/t-$1; [ -d $d ] || { mkdir -p $d && tar xzf $ROOT/.exp/$1.tgz -C $d; }; echo $d; }
 for spec in "$@"; do
@@ -59,7 +60,7 @@ for spec in "$@"; do
       OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(tmo 200) \
         python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_model.py -k 4b 2>&1 | tee $OUT/model.log | tail -4 ;;
     ab) # GPU ms of this tree against .exp/base (the tree before) and the other .exp trees: decode, an 8-token step, prefill, both modes; rounds
-      for t in base this $(ls $ROOT/.exp | grep -v base | sed 's/.tgz//'); do d=$ROOT; [ $t != this ] && d=$(tree $t)
+      for t in base this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
         (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
          timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches ${AB_BATCHES:-1,8,32,64} --prefill-len ${AB_PREFILL:-8,1024} --steps 24 \
            --options "deterministic=false;deterministic=true" --out $OUT/engine_$t.json 2>&1 | grep -E "^qwen3" | sed "s/^/$t /"
@@ -68,10 +69,10 @@ for spec in "$@"; do
            --draft-model-path $D4 --out $OUT/rounds_$t.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p' | sed "s/^/$t /")
       done ;;
     tt) # GPU tests inside packed trees: TT="name ..." (default every .exp tree but base), TTESTS the files; a tree's first failure stops it
-      for t in ${TT:-$(ls $ROOT/.exp | grep -v base | sed 's/.tgz//')}; do (cd $(tree $t) && source bench/device_setup.sh && \
-        timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider $TTESTS 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
+      for t in ${TT:-$(others)}; do (cd $(tree $t) && source bench/device_setup.sh && \
+        timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider ${TTESTS:?TTESTS: the test files} 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
     longverify) # the plain engine's verify over 8 tokens at long contexts, this tree and every .exp tree but base (LV_CTX)
-      for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(ls $ROOT/.exp | grep -v base | sed 's/.tgz//'); do d=$ROOT; [ $t != this ] && d=$(tree $t)
+      for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
         (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
          timeout $(tmo 60) python3 bench/spec_bench.py rounds --preset qwen3-4b --context $ctx --batches ${LV_BATCHES:-1,4} --spans 8 \
            --rounds 12 --out $OUT/verify_${t}_$ctx.json 2>>$OUT/spec.log | grep -E "target +(decode|verify)" | sed "s/^/$t ctx=$ctx /")
