@@ -11,7 +11,8 @@
 # #24's round costs, TPOT at controlled acceptance, the projection: measure-2026-12-07.sh without its A/B),
 # timeline (4B kernel timelines through CUPTI: decode at batch 8, an 8-token chunk, --deterministic batch 1), ab (the
 # engine and speculative rounds of this tree, .exp/base.tgz and every other .exp tree; the fused-norm and short-items
-# phases that ran on 2026-12-07 are in git history), model (the 4B against HF), tt (TTESTS inside the TT trees), longverify (verify at long contexts), specdet (spec_bench serve --deterministic).
+# phases that ran on 2026-12-07 are in git history), model (the 4B against HF), tt (TTESTS inside the TT trees), longverify (verify at long contexts), specdet (spec_bench serve --deterministic), sh (the commands in SH, in this tree, OUT
+# set to the phase's folder).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 ROOT=$PWD OUTROOT=$OUT T0=$(date +%s) END=${END:-585}
@@ -60,7 +61,7 @@ for spec in "$@"; do
       OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(tmo 200) \
         python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_model.py -k 4b 2>&1 | tee $OUT/model.log | tail -4 ;;
     ab) # GPU ms of this tree against .exp/base (the tree before) and the other .exp trees: decode, an 8-token step, prefill, both modes; rounds
-      for t in base this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
+      for t in $([ -f $ROOT/.exp/base.tgz ] && echo base) this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
         (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
          timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches ${AB_BATCHES:-1,8,32,64} --prefill-len ${AB_PREFILL:-8,1024} --steps 24 \
            --options "deterministic=false;deterministic=true" --out $OUT/engine_$t.json 2>&1 | grep -E "^qwen3" | sed "s/^/$t /"
@@ -68,9 +69,11 @@ for spec in "$@"; do
          timeout $(tmo 100) python3 bench/spec_bench.py rounds --preset qwen3-4b --context 1024 --batches ${AB_ROUNDS:-1,4,8} --spans 8 \
            --draft-model-path $D4 --out $OUT/rounds_$t.json 2>>$OUT/spec.log | sed -n '/^round costs/,$p' | sed "s/^/$t /")
       done ;;
-    tt) # GPU tests inside packed trees: TT="name ..." (default every .exp tree but base), TTESTS the files; a tree's first failure stops it
-      for t in ${TT:-$(others)}; do (cd $(tree $t) && source bench/device_setup.sh && \
-        timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider ${TTESTS:?TTESTS: the test files} 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
+    tt) # GPU tests inside packed trees: TT="name ..." (default every .exp tree but base), TTESTS the files and options
+      # (TTESTS_name for one tree); a tree's first failure stops it
+      for t in ${TT:-$(others)}; do tests=$(eval echo "\${TTESTS_$t:-\${TTESTS:?TTESTS: the test files}}")
+        (cd $(tree $t) && source bench/device_setup.sh && \
+        eval timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider $tests 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
     longverify) # the plain engine's verify over 8 tokens at long contexts, this tree and every .exp tree but base (LV_CTX)
       for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
         (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
@@ -79,6 +82,7 @@ for spec in "$@"; do
       done; done ;;
     specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
         --num-drafts 7 --deterministic --out $OUT/spec_serve_4b_det.json 2>&1 | sed -n '/^TPOT and output/,$p' ;;
+    sh) (source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench && timeout $(tmo 590) bash -c "${SH:?SH: the commands}" 2>&1 | tee $OUT/sh.log | tail -${SH_TAIL:-40}) ;;  # any commands, this tree
     *) echo "unknown phase $phase" ;;
   esac
   OUT=$OUTROOT; (cd $OUTROOT && tar czf $phase.tgz $phase && rm -rf $phase)
