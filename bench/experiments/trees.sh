@@ -23,8 +23,9 @@ rest() { echo $(( PEND - $(date +%s) )); }  # seconds left to the phase
 tmo() { local r=$(( $(rest) - 3 )) t=$1; [ $t -lt $r ] || t=$r; echo $(( t > 1 ? t : 1 )); }  # a step's timeout inside the phase
 el() { echo "[$(( $(date +%s) - T0 )) s] $1"; }
 others() { ls $ROOT/.exp | grep -v '^base' | sed 's/.tgz//'; }  # every packed tree but base
-tree() {  # unpacks .exp/$1.tgz once, prints its folder
-  local d=/tmp/t-$1; [ -d $d ] || { mkdir -p $d && tar xzf $ROOT/.exp/$1.tgz -C $d; }; echo $d; }
+tree() {  # unpacks .exp/$1.tgz once (with this checkout's tokenizer.json, which pack_tree.sh leaves out), prints its folder
+  local d=/tmp/t-$1 tok=src/openinfer/data/qwen3-tokenizer/tokenizer.json
+  [ -d $d ] || { mkdir -p $d && tar xzf $ROOT/.exp/$1.tgz -C $d && { [ -f $d/$tok ] || cp $ROOT/$tok $d/$tok; }; }; echo $d; }
 for spec in "$@"; do
   phase=${spec%%:*}; PEND=$(( T0 + END )); [ "$spec" != "$phase" ] && PEND=$(( $(date +%s) + ${spec#*:} < PEND ? $(date +%s) + ${spec#*:} : PEND ))
   el "== $phase ($(rest) s for it)"
