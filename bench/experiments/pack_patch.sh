@@ -3,7 +3,7 @@
 # exp/NAME with PATCH applied and committed, its wheel built in /tmp/bld-NAME, then pack_tree.sh NAME into
 # .exp/NAME.tgz. With PATCH "-", the tree is BASE itself (main as `base`).
 #
-#   bash bench/experiments/pack_patch.sh norm4 bench/experiments/fused-norm/0004-carried-norm.patch
+#   bash bench/experiments/pack_patch.sh long bench/experiments/short-long/0001-short-items-every-context.patch
 #   bash bench/experiments/pack_patch.sh base -
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
