@@ -26,6 +26,8 @@ others() { ls $ROOT/.exp | grep -v '^base' | sed 's/.tgz//'; }  # every packed t
 tree() {  # unpacks .exp/$1.tgz once (with this checkout's tokenizer.json, which pack_tree.sh leaves out), prints its folder
   local d=/tmp/t-$1 tok=src/openinfer/data/qwen3-tokenizer/tokenizer.json
   [ -d $d ] || { mkdir -p $d && tar xzf $ROOT/.exp/$1.tgz -C $d && { [ -f $d/$tok ] || cp $ROOT/$tok $d/$tok; }; }; echo $d; }
+in_tree() {  # (in a subshell) into tree $1 ("this": this checkout) with its wheel installed and bench/ importable
+  cd "$([ $1 = this ] && echo $ROOT || tree $1)" && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench; }
 for spec in "$@"; do
   phase=${spec%%:*}; PEND=$(( T0 + END )); [ "$spec" != "$phase" ] && PEND=$(( $(date +%s) + ${spec#*:} < PEND ? $(date +%s) + ${spec#*:} : PEND ))
   el "== $phase ($(rest) s for it)"
@@ -62,8 +64,8 @@ for spec in "$@"; do
       OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(tmo 200) \
         python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_gpu_model.py -k 4b 2>&1 | tee $OUT/model.log | tail -4 ;;
     ab) # GPU ms of this tree against .exp/base (the tree before) and the other .exp trees: decode, an 8-token step, prefill, both modes; rounds
-      for t in $([ -f $ROOT/.exp/base.tgz ] && echo base) this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
-        (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
+      for t in $([ -f $ROOT/.exp/base.tgz ] && echo base) this $(others); do
+        (in_tree $t
          timeout $(tmo 100) python3 bench/bench_engine.py --preset qwen3-4b --batches ${AB_BATCHES:-1,8,32,64} --prefill-len ${AB_PREFILL:-8,1024} --steps 24 \
            --options "deterministic=false;deterministic=true" --out $OUT/engine_$t.json 2>&1 | grep -E "^qwen3" | sed "s/^/$t /"
          D4=/tmp/ckpt/dspark-qwen3-4b; [ -f $D4/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset dspark-qwen3-4b --out $D4 > /dev/null 2>&1
@@ -73,17 +75,16 @@ for spec in "$@"; do
     tt) # GPU tests inside packed trees: TT="name ..." (default every .exp tree but base), TTESTS the files and options
       # (TTESTS_name for one tree); a tree's first failure stops it
       for t in ${TT:-$(others)}; do tests=$(eval echo "\${TTESTS_$t:-\${TTESTS:?TTESTS: the test files}}")
-        (cd $(tree $t) && source bench/device_setup.sh && \
-        eval timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider $tests 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
+        (in_tree $t && eval timeout $(tmo 400) python3 -m pytest -q -x -rfE -p no:cacheprovider $tests 2>&1 | tee $OUT/$t.log | tail -6 | sed "s/^/$t /"); done ;;
     longverify) # the plain engine's verify over 8 tokens at long contexts, this tree and every .exp tree but base (LV_CTX)
-      for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(others); do d=$ROOT; [ $t != this ] && d=$(tree $t)
-        (cd $d && source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench
+      for ctx in ${LV_CTX:-2048 8192 16384}; do for t in this $(others); do
+        (in_tree $t
          timeout $(tmo 60) python3 bench/spec_bench.py rounds --preset qwen3-4b --context $ctx --batches ${LV_BATCHES:-1,4} --spans 8 \
            --rounds 12 --out $OUT/verify_${t}_$ctx.json 2>>$OUT/spec.log | grep -E "target +(decode|verify)" | sed "s/^/$t ctx=$ctx /")
       done; done ;;
     specdet) timeout $(tmo 200) python3 bench/spec_bench.py serve --preset qwen3-4b --concurrency 1,4,8 --taus 1,5,8 \
         --num-drafts 7 --deterministic --out $OUT/spec_serve_4b_det.json 2>&1 | sed -n '/^TPOT and output/,$p' ;;
-    sh) (source bench/device_setup.sh && export PYTHONPATH=$PYTHONPATH:$PWD/bench && timeout $(tmo 590) bash -c "${SH:?SH: the commands}" 2>&1 | tee $OUT/sh.log | tail -${SH_TAIL:-40}) ;;  # any commands, this tree
+    sh) (in_tree this && timeout $(tmo 590) bash -c "${SH:?SH: the commands}" 2>&1 | tee $OUT/sh.log | tail -${SH_TAIL:-40}) ;;  # any commands, this tree
     *) echo "unknown phase $phase" ;;
   esac
   OUT=$OUTROOT; (cd $OUTROOT && tar czf $phase.tgz $phase && rm -rf $phase)
