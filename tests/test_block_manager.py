@@ -68,6 +68,41 @@ def test_disabled_prefix_cache():
     bm.check_integrity()
 
 
+def test_partial_entries():
+    """A prompt's partial tail: found by its chain and tokens only, a block can hold it and later its full
+    entry, cached at ref 0 like a full block, and eviction drops both entries."""
+    bm = BlockManager(6, 4)
+    table = fill(bm, [1, 2, 3, 4])
+    prev = bm.blocks[table[0]].hash
+    b = bm.allocate()
+    bm.seal_partial(b, prev, (5, 6))
+    assert bm.match_partial(prev, (5, 6)) == b and bm.num_cached == 2
+    assert bm.match_partial(prev, (5,)) is None and bm.match_partial(prev, (5, 6, 7)) is None
+    assert bm.match_partial(None, (5, 6)) is None  # another chain
+    bm.seal_partial(b, prev, (5, 6))  # again: nothing changes
+    c = bm.allocate()
+    bm.seal_partial(c, prev, (5, 6))  # an identical entry elsewhere: the first keeps serving
+    assert bm.match_partial(prev, (5, 6)) == b and not bm.blocks[c].cached
+    bm.seal(b, prev, (5, 6, 7, 8))  # the block filled up: both entries
+    assert bm.num_cached == 2 and bm.match_prefix([1, 2, 3, 4, 5, 6, 7, 8], 2) == table + [b]
+    assert bm.match_partial(prev, (5, 6)) == b
+    bm.check_integrity()
+    bm.release([c])
+    bm.release(table + [b])  # b first, then table[0]: both to the LRU; c was never cached
+    assert bm.num_free == 5 and bm.num_cached == 2
+    bm.check_integrity()
+    got = [bm.allocate() for _ in range(4)]  # the uncached ones first (c's id is reused), then b (oldest)
+    assert b in got and table[0] not in got
+    assert bm.match_partial(prev, (5, 6)) is None and bm.num_cached == 1
+    bm.check_integrity()
+    with pytest.raises(AssertionError):
+        bm.seal_partial(got[0], prev, (1, 2, 3, 4))  # a whole block is not a partial tail
+    off = BlockManager(4, 4, enable_prefix_caching=False)
+    d = off.allocate()
+    off.seal_partial(d, None, (1,))
+    assert off.match_partial(None, (1,)) is None and off.num_cached == 0
+
+
 def test_random_operations_keep_integrity():
     rng = random.Random(0)
     bm = BlockManager(40, 4)
@@ -88,8 +123,10 @@ def test_random_operations_keep_integrity():
                 blk = bm.allocate()
                 table.append(blk)
                 prev = bm.seal(blk, prev, toks[i * 4:(i + 1) * 4])
-            if partial:
+            if partial:  # a partial block, registered as a prompt's partial tail half of the time
                 table.append(bm.allocate())
+                if rng.random() < 0.5:
+                    bm.seal_partial(table[-1], prev, tuple(rng.choice(vocab)[:rng.randint(1, 3)]))
             live.append(table)
         elif live:
             bm.release(live.pop(rng.randrange(len(live))))

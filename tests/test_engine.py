@@ -73,15 +73,15 @@ def test_logprobs(engine):
 
 def test_prefix_cache_hit(tiny_dir):
     eng = Engine(str(tiny_dir), device="cpu", num_kv_blocks=64)
-    ids = list(range(1000, 1040))  # 40 tokens: two full blocks can be reused
+    ids = list(range(1000, 1040))  # 40 tokens: two full blocks and the 7 tokens before the last can be reused
     first = eng.generate(ids, GREEDY)[0]
     s0 = eng.llm_engine.stats()
     second = eng.generate(ids, GREEDY)[0]
     s1 = eng.llm_engine.stats()
     assert second.token_ids == first.token_ids
-    assert s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"] == 32
-    assert s1["prefill_tokens_computed"] - s0["prefill_tokens_computed"] == 8
-    # a 32-token prompt: the last token is always recomputed, so only one block is a hit
+    assert s1["prefix_cache_hit_tokens"] - s0["prefix_cache_hit_tokens"] == 39
+    assert s1["prefill_tokens_computed"] - s0["prefill_tokens_computed"] == 1  # the last token
+    # a 32-token prompt: its 15 tokens before the last were never a prompt's partial tail: one block is a hit
     eng.generate(ids[:32], GREEDY)
     assert eng.llm_engine.stats()["prefix_cache_hit_tokens"] - s1["prefix_cache_hit_tokens"] == 16
     # generated tokens are sealed too: prompt + output reuses the blocks written while decoding

@@ -1,7 +1,7 @@
 """Issue #26 item 1: the same prompt twice, cold and then as a prefix-cache hit, gives the same greedy
 tokens and the same log-probs, bit for bit: the CPU reference and the CUDA engine (4B geometry, random
-weights, prompts of 1 to 5000 tokens). The prompt's tail runs as a chunk of its own in both (the
-scheduler). The CPU reference's rows do not depend on the step at all (reference/ops.py), so there a
+weights, prompts of 1 to 5000 tokens). The prompt's last token runs as a step of its own in both (the
+scheduler); the hit copies the partial tail before it from the cache. The CPU reference's rows do not depend on the step at all (reference/ops.py), so there a
 prompt cut into other chunks (another max_num_batched_tokens) gives the same bits too."""
 from __future__ import annotations
 

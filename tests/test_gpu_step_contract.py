@@ -1,5 +1,5 @@
 """The CUDA engine's side of the newer step fields: host-tier block copies (bit-identical both ways,
-copies-only steps, late landing seen through copy_progress), a host restore generating what a GPU prefix
+copies-only steps, late landing seen through copy_progress), device block copies before a step's forward, a host restore generating what a GPU prefix
 hit generates, and verify steps' accepted counts computed on the GPU."""
 from __future__ import annotations
 
@@ -132,6 +132,39 @@ def test_a_chunk_reads_its_restore_in_the_same_launch(engine, layout):
         np.testing.assert_array_equal(be.eng.read_kv_block(dst[i]), be.eng.read_kv_block(src[i]))
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_device_copies_land_before_the_forward(engine, graph):
+    """kv_copy (a prompt's partial tail copied from the prefix cache into a block of its own): whole blocks
+    copied on the step's stream before its forward, so a one-token step that reads the copy in the same launch
+    gets what it gets over the original block, bit for bit: its logits eagerly, its token and log-prob as a
+    decode graph replay. Every byte of the copy equals the source's; blocks out of range are refused."""
+    be = engine.llm_engine.backend
+    rng = np.random.default_rng(7)
+    src = _prefill(be, 45, 560, rng)  # blocks 560..563; positions 32..44 in 562
+    tok = np.array([77], np.int32)
+
+    def step(blocks, **kw):
+        return be.step(StepInput(
+            input_ids=tok, positions=np.array([45], np.int32), query_start_loc=np.array([0, 1], np.int32),
+            context_lens=np.array([46], np.int32), block_tables=np.array([blocks], np.int32),
+            slot_mapping=np.array([blocks[2] * 16 + 13], np.int32), sample_idx=np.array([0], np.int32),
+            temperature=np.zeros(1, np.float32), top_p=np.ones(1, np.float32), top_k=np.zeros(1, np.int32),
+            seeds=np.zeros(1, np.uint64), return_logits=not graph, **kw))
+    want = step(src)
+    steps = be.eng.graph_steps
+    got = step([src[0], src[1], 590, src[3]], kv_copy=np.array([[src[2], 590]], np.int32))
+    assert (be.eng.graph_steps > steps) == graph
+    if graph:
+        assert got.tokens.tolist() == want.tokens.tolist() and got.logprobs.tobytes() == want.logprobs.tobytes()
+    else:
+        np.testing.assert_array_equal(got.logits, want.logits)
+    np.testing.assert_array_equal(be.eng.read_kv_block(590), be.eng.read_kv_block(src[2]))
+    for pairs in ([[0, 590]], [[src[2], be.num_kv_blocks]]):
+        with pytest.raises(ValueError, match="out of range"):
+            step(src, kv_copy=np.array(pairs, np.int32))
+    assert be.eng.pending == 0
+
+
 def test_host_restore_generates_what_a_gpu_hit_generates(engine):
     """A prompt served cold (its blocks saved), then as a GPU prefix hit, then, with the GPU prefix cache
     dropped, restored from the host tier: the last two compute the same suffix on the same K/V bytes, so
@@ -144,11 +177,12 @@ def test_host_restore_generates_what_a_gpu_hit_generates(engine):
     engine.generate([ids], sp)
     hit = engine.generate([ids], sp)[0].token_ids
     before = le.stats()
-    assert before["prefix_cache_hit_tokens"] >= 688
+    assert before["prefix_cache_hit_tokens"] >= 699
     le.block_manager.reset_prefix_cache()
     restored = engine.generate([ids], sp)[0].token_ids
     after = le.stats()
-    assert after["host_hit_tokens"] - before["host_hit_tokens"] == 688  # 43 full blocks, all but the last token's
+    # 43 full blocks and the partial tail of 11 tokens: all but the last token
+    assert after["host_hit_tokens"] - before["host_hit_tokens"] == 699
     assert after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"]
     assert restored == hit
     le.scheduler.check_integrity()

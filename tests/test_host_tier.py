@@ -110,19 +110,24 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 def test_every_sealed_block_is_saved_and_bytes_match(engine_of):
     eng = engine_of()
-    p = toks(70)  # 4 full blocks of the prompt, then the outputs
+    p = toks(70)  # 4 full blocks of the prompt, its partial tail (5 tokens before the last), then the outputs
     run(eng, {"a": (p, GREEDY)})
     eng.backend.wait_copies()
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
     tier, be = eng.host_tier, eng.backend
     st = eng.stats()
-    assert st["offloaded_blocks"] == 4 and st["host_tier_blocks_used"] == 4
+    assert st["offloaded_blocks"] == 5 and st["host_tier_blocks_used"] == 5
     slots = tier.match(p, 0, 4)
     assert len(slots) == 4
     # the device blocks still hold the prompt (cached, not reused): the host copies are bit-identical
     gpu = eng.block_manager.match_prefix(p, 4)
     for bid, slot in zip(gpu, slots):
         np.testing.assert_array_equal(be.host_kv[slot], be.kv_cache[bid])
+    # the partial tail: saved once its 5 tokens were computed (the device block went on with the outputs)
+    seq_prev, tail = tier.entry(slots[-1])[0], tuple(p[64:69])
+    slot, bid = tier.match_partial(seq_prev, tail), eng.block_manager.match_partial(seq_prev, tail)
+    assert slot is not None and bid is not None
+    np.testing.assert_array_equal(be.host_kv[slot][..., :5, :], be.kv_cache[bid][..., :5, :])
     eng.scheduler.check_integrity()
 
 
@@ -136,12 +141,12 @@ def test_host_restore_equals_gpu_hit_equals_cold(engine_of, overlap):
     gpu = engine_of(kv_offload=False, kv_offload_host_gib=None, overlap_steps=overlap)
     run(gpu, {"warm": (p, GREEDY)})
     hit = run(gpu, {"hit": (p, GREEDY)})["hit"]
-    assert gpu.stats()["prefix_cache_hit_tokens"] == 64
+    assert gpu.stats()["prefix_cache_hit_tokens"] == 69  # 4 blocks and the partial tail: the last token computed
     host = engine_of(enable_prefix_caching=False, overlap_steps=overlap)
     run(host, {"first": (p, GREEDY)})
     restored = run(host, {"again": (p, GREEDY)})["again"]
     st = host.stats()
-    assert st["host_hit_tokens"] == 64 and st["prefix_cache_hit_tokens"] == 0 and st["restored_blocks"] == 4
+    assert st["host_hit_tokens"] == 69 and st["prefix_cache_hit_tokens"] == 0 and st["restored_blocks"] == 5
     assert restored == hit == cold
     assert st["kv_blocks_used"] == 0
 
@@ -173,9 +178,9 @@ def test_idle_restore_runs_its_chunk_in_the_launch_of_its_copies(engine_of, over
     eng.backend.kv_cache[:] = 0  # the restored prefix must come from the host
     seen = _record_launches(eng)
     assert run(eng, {"again": (p, GREEDY)})["again"] == cold
-    assert seen[0] == (True, 4, 70 - 64, 1), seen  # 4 blocks restored, the last 6 prompt tokens computed
+    assert seen[0] == (True, 5, 1, 1), seen  # 4 blocks and the partial tail restored, the last token computed
     assert not any(w for w, *_ in seen[1:])
-    assert eng.stats()["host_hit_tokens"] == 64
+    assert eng.stats()["host_hit_tokens"] == 69
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -200,7 +205,7 @@ def test_restore_beside_running_requests_waits_on_the_host(engine_of, overlap):
             out[u.request_id] += u.new_token_ids
         eng.scheduler.check_integrity()
     with_loads = [x for x in seen if x[1]]
-    assert with_loads == [(False, 4, 1, 1)], seen  # other's decode row alone: the restored chunk waits
+    assert with_loads == [(False, 5, 1, 1)], seen  # other's decode row alone: the restored chunk waits
     assert not any(w for w, *_ in seen)
     cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None),
                {"c": (p, GREEDY)})["c"]
@@ -264,7 +269,7 @@ def test_abort_during_restore_leaks_nothing(engine_of):
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
     eng.scheduler.check_integrity()
     st = eng.stats()
-    assert st["kv_blocks_used"] == 0 and eng.host_tier.num_used == 4
+    assert st["kv_blocks_used"] == 0 and eng.host_tier.num_used == 5  # 4 blocks and the prompt's partial tail
     assert all(eng.host_tier.pins(s) == 0 for s in range(eng.host_tier.num_slots))
 
 

@@ -187,12 +187,14 @@ def test_schedule_after_prev_continues_prompt_chunks(tokenizer):
     assert [(it.start, it.num_tokens, it.sample) for it in first.items] == [(0, 8, False)]
     second = sched.schedule(first)
     assert [(it.start, it.num_tokens, it.sample, it.feed_row) for it in second.items] == [(8, 8, False, -1)]
-    third = sched.schedule(second)
-    assert [(it.start, it.num_tokens, it.sample) for it in third.items] == [(16, 4, True)]
+    third = sched.schedule(second)  # the prompt's last token is a chunk of its own
+    assert [(it.start, it.num_tokens, it.sample) for it in third.items] == [(16, 3, False)]
     fourth = sched.schedule(third)
-    assert [(it.start, it.num_tokens, it.feed_row) for it in fourth.items] == [(20, 1, 0)]
-    args = pack(third, 16)
-    assert list(args.input_ids) == list(range(17, 21)) and args.prev_rows is None
+    assert [(it.start, it.num_tokens, it.sample, it.feed_row) for it in fourth.items] == [(19, 1, True, -1)]
+    fifth = sched.schedule(fourth)
+    assert [(it.start, it.num_tokens, it.feed_row) for it in fifth.items] == [(20, 1, 0)]
+    args = pack(fourth, 16)
+    assert list(args.input_ids) == [20] and args.prev_rows is None
     assert len(seq.block_table) == 2
 
 

@@ -150,8 +150,8 @@ def test_abort_frees_blocks(tokenizer):
     assert sched.stats().num_running == 4 and sched.stats().num_waiting == 1
     used = bm.num_used
     assert sched.abort("r1") and not sched.abort("r1") and not sched.abort("nope")
-    # 30 tokens: the first step ran 16 (the tail is a chunk of its own), one block allocated, one promised
-    assert bm.num_used == used - 1 and sched.promised_blocks() == 3  # the others' second blocks
+    # 30 tokens: the first step ran 29 (the last token is a chunk of its own), both blocks allocated
+    assert bm.num_used == used - 2 and sched.promised_blocks() == 0
     assert sched.abort("r4")  # a waiting request
     bm.check_integrity()
     ups = run_all(sched, bm, runner)
@@ -178,21 +178,33 @@ def test_budget_rows_and_chunking(tokenizer):
     assert out == {f"r{i}": [1000 * (i + 1) + 40 + k for k in range(5)] for i in range(5)}  # the echo model
 
 
-@pytest.mark.parametrize("n, chunks", [(16, [16]), (17, [16, 1]), (32, [16, 16]), (40, [32, 8]), (300, [256, 32, 12])])
-def test_a_prompts_tail_is_a_chunk_of_its_own(tokenizer, n, chunks):
-    """The tokens after a prompt's last whole block before its last token run in a step of their own:
-    the step a later prefix hit of the same prompt runs (issue #26 item 1), so both compute them alike."""
+@pytest.mark.parametrize("n, chunks", [(5, [5]), (16, [16]), (17, [16, 1]), (32, [31, 1]), (40, [39, 1]),
+                                       (300, [256, 43, 1])])
+@pytest.mark.parametrize("max_tokens", [2, 40])
+def test_a_prompts_last_token_is_a_chunk_of_its_own(tokenizer, n, chunks, max_tokens):
+    """A prompt of more than one block ends in a step of its last token alone: the step a later prefix hit
+    of the same prompt runs (issue #26 item 1), so both compute that token alike. The hit shares the whole
+    blocks and copies the partial tail before the last token into a block of its own (kv_copy), whether the
+    first run's block filled up with generated tokens (max_tokens 40) or not."""
     sched, bm, runner = make(tokenizer, num_blocks=40, budget=256)
-    sched.add_request("a", prompt(n), SamplingParams(max_tokens=2, ignore_eos=True), 0)
+    sched.add_request("a", prompt(n), SamplingParams(max_tokens=max_tokens, ignore_eos=True), 0)
     seen = []
     run_all(sched, bm, runner, on_step=lambda b: seen.extend(it.num_tokens for it in b.items
                                                              if it.start < it.seq.num_prompt))
     assert seen == chunks
     sched.add_request("b", prompt(n), SamplingParams(max_tokens=2, ignore_eos=True), 0)  # the same prompt: a hit
     seen.clear()
-    run_all(sched, bm, runner, on_step=lambda b: seen.extend((it.start, it.num_tokens) for it in b.items
-                                                             if it.start < it.seq.num_prompt))
-    assert seen == [((n - 1) // 16 * 16, chunks[-1] if n > 16 else n)]  # the cold run's last chunk, alone
+    copies = []
+
+    def on_step(b):
+        seen.extend((it.start, it.num_tokens) for it in b.items if it.start < it.seq.num_prompt)
+        copies.extend((src, dst, seq.block_table.index(dst)) for seq, src, dst in b.copies)
+    run_all(sched, bm, runner, on_step=on_step)
+    assert seen == ([(n - 1, 1)] if n > 16 else [(0, n)])  # the cold run's last chunk, alone
+    partial = n > 16 and (n - 1) % 16
+    assert len(copies) == bool(partial) and all(i == (n - 1) // 16 for *_, i in copies)
+    st = sched.stats()
+    assert st.prefix_cache_hit_tokens == (n - 1 if n > 16 else 0)
 
 
 def test_prompt_tokens_capped_while_requests_decode(tokenizer):
@@ -218,9 +230,9 @@ def test_prompt_tokens_capped_while_requests_decode(tokenizer):
     for u in run_all(sched, bm, runner, on_step=on_step):
         out.setdefault(u.request_id, []).extend(u.new_token_ids)
     assert out["a"] == [1300 + k for k in range(40)] and out["b"] == [5600 + k for k in range(4)]
-    # while nobody decodes: a's next 32 prompt tokens and b's first 224, then a's tail (12) and b's next 244;
-    # then beside a's decode rows b's next 124 in chunks of at most 40, and b's tail of 8
-    assert seen[:2] == [(0, 256)] * 2 and seen[2:7] == [(1, 40)] * 3 + [(1, 4), (1, 8)], seen[:8]
+    # while nobody decodes: a's next 43 prompt tokens and b's first 213, then a's last token and b's next 255;
+    # then beside a's decode rows b's next 131 in chunks of at most 40, and b's last token alone
+    assert seen[:2] == [(0, 256)] * 2 and seen[2:7] == [(1, 40)] * 3 + [(1, 11), (1, 1)], seen[:8]
 
 
 def test_stop_checks(tokenizer):
@@ -241,16 +253,16 @@ def test_stop_checks(tokenizer):
 def test_slot_mapping_follows_block_tables(tokenizer):
     sched, bm, runner = make(tokenizer, num_blocks=20)
     sched.add_request("a", prompt(37), SamplingParams(max_tokens=3), 0)
-    batch = sched.schedule()  # tokens 0..31, then the tail 32..36 (a chunk of its own)
+    batch = sched.schedule()  # tokens 0..35, then the last token (a chunk of its own)
     first = pack(batch, 16)
     sched.postprocess(batch, runner.run(batch))
     batch = sched.schedule()
-    tail = pack(batch, 16)
+    last = pack(batch, 16)
     table = batch.items[0].seq.block_table
     want = [table[p // 16] * 16 + p % 16 for p in range(37)]
-    assert first.slot_mapping.tolist() + tail.slot_mapping.tolist() == want
-    assert first.context_lens.tolist() == [32] and tail.context_lens.tolist() == [37]
-    assert first.sample_idx.tolist() == [] and tail.sample_idx.tolist() == [4] and tail.seeds.dtype == np.uint64
+    assert first.slot_mapping.tolist() + last.slot_mapping.tolist() == want
+    assert first.context_lens.tolist() == [36] and last.context_lens.tolist() == [37]
+    assert first.sample_idx.tolist() == [] and last.sample_idx.tolist() == [0] and last.seeds.dtype == np.uint64
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -320,3 +332,23 @@ def test_postprocess_failure_leaves_no_finished_sequence_running(tokenizer):
     assert [s.request_id for s in sched.running] == ["b"]
     assert all(s.status is Status.RUNNING for s in sched.running)
     assert sched.abort("b") and bm.num_used == 0
+
+
+def test_a_partial_hit_not_launched_computes_its_tail(tokenizer):
+    """A step refused before launch takes its partial-tail copy back: the sequence computes those tokens
+    instead, into the block it already holds, and nothing leaks."""
+    sched, bm, runner = make(tokenizer, num_blocks=20)
+    sched.add_request("a", prompt(40), SamplingParams(max_tokens=2, ignore_eos=True), 0)
+    first = run_all(sched, bm, runner)
+    sched.add_request("b", prompt(40), SamplingParams(max_tokens=2, ignore_eos=True), 0)
+    batch = sched.schedule()
+    (seq, src, dst), = batch.copies
+    assert seq.num_computed == 39 and seq.block_table[2] == dst and pack(batch, 16).kv_copy.tolist() == [[src, dst]]
+    sched.not_launched(batch)
+    assert seq.num_computed == 32 and seq.block_table[2] == dst
+    seen = []
+    again = run_all(sched, bm, runner, on_step=lambda b: seen.extend((it.start, it.num_tokens) for it in b.items))
+    assert seen[:2] == [(32, 7), (39, 1)]
+    assert [t for u in again for t in u.new_token_ids] == [t for u in first for t in u.new_token_ids]
+    sched.check_integrity()
+    assert bm.num_used == 0

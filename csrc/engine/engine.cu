@@ -106,6 +106,7 @@ void Engine::launch(const StepInput& in) {
   OI_CHECK(pending_.size() < 2, "launch() with two steps already pending: collect() first");
   if (in.T() == 0 && in.B() == 0) {  // copies only (a restore while nothing else runs)
     plan_copies(in, limits());
+    copy_blocks(in);
     issue_copies(in);
     Pending p;
     p.copies_only = true;
@@ -125,6 +126,7 @@ void Engine::launch(const StepInput& in) {
   }
   // Before the forward: they wait for the steps launched before this one only. kv_load_wait: enqueue()
   // issues them after the step's inputs, and hands the forward their per-layer events.
+  copy_blocks(in);
   if (!in.kv_load_wait) issue_copies(in);  // kv_load_wait steps are never graphs (launch_graph)
   if (!launch_graph(in) && !launch_verify_graph(in)) pending_.push_back(enqueue(in, plan, kv_cache_));
   layer_ready_.clear();
@@ -315,6 +317,24 @@ cudaEvent_t Engine::event() {
   cudaEvent_t e = free_events_.back();
   free_events_.pop_back();
   return e;
+}
+
+// kv_copy: whole blocks (every layer's K and V, and the drafter's) on the step's own stream, in order, so that
+// they land after every step launched before this one and before its forward (or graph) reads them; called
+// before issue_copies(), whose copies wait for an event recorded after these (a load may refill a source).
+void Engine::copy_blocks(const StepInput& in) {
+  for (int64_t i = 0; i < in.n_kv_copy; ++i) {
+    const int64_t src = in.kv_copy[2 * i], dst = in.kv_copy[2 * i + 1];
+    const int64_t bb = kv_block_bytes();
+    OI_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(kv_cache_) + dst * bb, reinterpret_cast<char*>(kv_cache_) + src * bb,
+                                  (size_t)bb, cudaMemcpyDeviceToDevice, stream_));
+    if (dr_) {
+      const int64_t db = dr_->block_bytes();
+      OI_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dr_->kv_cache) + dst * db,
+                                    reinterpret_cast<char*>(dr_->kv_cache) + src * db, (size_t)db,
+                                    cudaMemcpyDeviceToDevice, stream_));
+    }
+  }
 }
 
 // A kv_load_wait restore copies group-major in G groups of layers, one pitched DMA per run of blocks and

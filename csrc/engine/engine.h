@@ -138,6 +138,7 @@ class Engine {
   Pending enqueue(const StepInput& in, const StepPlan& plan, bf16* kv_cache, bool drafter = true);  // an eager step
   StepResult finish_eager(Pending& p);
   void issue_copies(const StepInput& in);
+  void copy_blocks(const StepInput& in);  // StepInput.kv_copy
   bf16* tap_buffer(size_t elems);
   // draft.cu
   bf16* drafter_slot(const std::string& kind, int layer, int64_t* rows, int64_t* cols);

@@ -148,6 +148,9 @@ StepPlan plan_step(const StepInput& in, const ModelDims& d, const StepLimits& li
 void plan_copies(const StepInput& in, const StepLimits& lim) {
   check_copies(in.kv_save, in.n_kv_save, true, lim);
   check_copies(in.kv_load, in.n_kv_load, false, lim);
+  for (int64_t i = 0; i < 2 * in.n_kv_copy; ++i)
+    OI_INPUT_CHECK(in.kv_copy[i] >= 1 && in.kv_copy[i] < lim.num_blocks,
+                   "kv_copy[" << i / 2 << "]: block " << in.kv_copy[i] << " out of range");
 }
 
 }  // namespace oi

@@ -28,7 +28,8 @@ namespace oi {
   X(int32_t, tap_layers, ANY)     \
   X(int32_t, tap_rows, ANY)       \
   X(int32_t, kv_save, PAIRS)      \
-  X(int32_t, kv_load, PAIRS)
+  X(int32_t, kv_load, PAIRS)      \
+  X(int32_t, kv_copy, PAIRS)
 
 // Scalars of a step: X(type, name).
 #define OI_STEP_SCALARS(X) \
@@ -39,7 +40,7 @@ namespace oi {
   X(bool, kv_load_wait)
 
 // One step's inputs as host pointers into the caller's arrays (valid for the call). n_<name> is the
-// element count of each array (pairs for kv_save/kv_load, rows for block_tables).
+// element count of each array (pairs for kv_save/kv_load/kv_copy, rows for block_tables).
 struct StepInput {
 #define OI_DECLARE_ARRAY(type, name, rule) \
   const type* name = nullptr;              \

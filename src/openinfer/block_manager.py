@@ -4,6 +4,11 @@ Never touches device memory. Block 0 is reserved (padding entries of block table
 so real data never lives there. A block is *sealed* once all its tokens' K/V are computed: it then
 carries hash(prev_hash, tokens) and can be shared by later requests with the same prefix. A sealed
 block whose ref count drops to 0 stays cached in an LRU until a fresh block is needed.
+
+A prompt's last, partial block (the tokens after its last whole block and before its last token) may
+also be cached, as a *partial* entry hash(prev_hash, those tokens): a later request with the same
+prompt copies that block (its own is written past them) and computes only the last token. A block
+can hold both entries (its partial prompt tail, and once full, the whole block).
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ class PrefixChain:
 
 
 class Block:
-    __slots__ = ("id", "ref_count", "hash", "prev_hash", "token_ids")
+    __slots__ = ("id", "ref_count", "hash", "prev_hash", "token_ids", "part_hash", "part_prev", "part_ids")
 
     def __init__(self, block_id: int):
         self.id = block_id
@@ -44,6 +49,13 @@ class Block:
         self.hash: int | None = NO_HASH
         self.prev_hash: int | None = None
         self.token_ids: tuple[int, ...] = ()
+        self.part_hash: int | None = NO_HASH  # the partial entry: its first len(part_ids) tokens
+        self.part_prev: int | None = None
+        self.part_ids: tuple[int, ...] = ()
+
+    @property
+    def cached(self) -> bool:
+        return self.hash is not NO_HASH or self.part_hash is not NO_HASH
 
 
 class BlockManager:
@@ -56,7 +68,8 @@ class BlockManager:
         self.num_usable = num_blocks - 1
         self._free: list[int] = list(range(num_blocks - 1, 0, -1))  # uncached, ref 0; pop() -> lowest id
         self._lru: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
-        self._by_hash: dict[int, int] = {}
+        self._by_hash: dict[int, int] = {}  # full and partial entries (their token tuples differ in length)
+        self._num_cached = 0  # blocks with an entry
 
     # ---- queries ----
     @property
@@ -70,7 +83,7 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        return len(self._by_hash)
+        return self._num_cached
 
     def match_prefix(self, prefix: PrefixChain | Sequence[int], max_blocks: int) -> list[int]:
         """Ids of cached blocks holding the longest full-block prefix (token ids, or their chain) (read-only)."""
@@ -88,6 +101,17 @@ class BlockManager:
             out.append(bid)
             prev = h
         return out
+
+    def match_partial(self, prev_hash: int | None, token_ids: tuple[int, ...], h: int | None = None) -> int | None:
+        """The id of a cached block whose first tokens are `token_ids` after the chain `prev_hash` (a
+        partial entry), or None (read-only)."""
+        if not self.enable_prefix_caching:
+            return None
+        bid = self._by_hash.get(block_hash(prev_hash, token_ids) if h is None else h)
+        if bid is None:
+            return None
+        b = self.blocks[bid]
+        return bid if b.part_ids == token_ids and b.part_prev == prev_hash else None  # else a collision
 
     def num_free_among(self, block_ids: Sequence[int]) -> int:
         """How many of these blocks nobody holds (cached, in the LRU)."""
@@ -122,9 +146,22 @@ class BlockManager:
         h = block_hash(prev_hash, toks) if h is None else h
         if self.enable_prefix_caching and h not in self._by_hash:
             b = self.blocks[block_id]
+            self._num_cached += not b.cached
             b.hash, b.prev_hash, b.token_ids = h, prev_hash, toks
             self._by_hash[h] = block_id
         return h  # an identical block already cached keeps serving hits; this one stays private
+
+    def seal_partial(self, block_id: int, prev_hash: int | None, token_ids: Sequence[int], h: int | None = None) -> None:
+        """Marks the first 1..block_size-1 tokens of a block as final: a partial entry (see the module's
+        doc). Its holder goes on writing the slots after them."""
+        toks = tuple(token_ids)
+        assert 0 < len(toks) < self.block_size
+        h = block_hash(prev_hash, toks) if h is None else h
+        b = self.blocks[block_id]
+        if self.enable_prefix_caching and h not in self._by_hash and b.part_hash is NO_HASH:
+            self._num_cached += not b.cached
+            b.part_hash, b.part_prev, b.part_ids = h, prev_hash, toks
+            self._by_hash[h] = block_id
 
     def release(self, block_ids: Sequence[int]) -> None:
         """Drops one reference each. Pass a sequence's table in order: the tail is freed first, so
@@ -134,15 +171,19 @@ class BlockManager:
             assert b.ref_count > 0, f"block {bid} released more often than taken"
             b.ref_count -= 1
             if b.ref_count == 0:
-                if b.hash is not NO_HASH:
+                if b.cached:
                     self._lru[bid] = None
                 else:
                     self._free.append(bid)
 
     def _drop_hash(self, b: Block) -> None:
+        self._num_cached -= b.cached
         if b.hash is not NO_HASH:
             del self._by_hash[b.hash]
             b.hash, b.prev_hash, b.token_ids = NO_HASH, None, ()
+        if b.part_hash is not NO_HASH:
+            del self._by_hash[b.part_hash]
+            b.part_hash, b.part_prev, b.part_ids = NO_HASH, None, ()
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block that nobody holds."""
@@ -162,11 +203,17 @@ class BlockManager:
                 raise AssertionError(f"block {b.id} has ref count {b.ref_count}")
             if b.ref_count == 0:
                 assert (b.id in free) != (b.id in lru), f"free block {b.id} is in neither or both pools"
-                assert (b.id in lru) == (b.hash is not NO_HASH), f"block {b.id}: LRU membership != cached"
+                assert (b.id in lru) == b.cached, f"block {b.id}: LRU membership != cached"
             else:
                 assert b.id not in free and b.id not in lru, f"block {b.id} in use but listed free"
             if b.hash is not NO_HASH:
                 assert self._by_hash.get(b.hash) == b.id, f"block {b.id}: hash not indexed"
                 assert block_hash(b.prev_hash, b.token_ids) == b.hash, f"block {b.id}: stale hash"
-        assert len(self._by_hash) == sum(b.hash is not NO_HASH for b in self.blocks), "orphan hash entries"
+            if b.part_hash is not NO_HASH:
+                assert self._by_hash.get(b.part_hash) == b.id, f"block {b.id}: partial entry not indexed"
+                assert 0 < len(b.part_ids) < self.block_size, f"block {b.id}: partial entry of {len(b.part_ids)} tokens"
+                assert block_hash(b.part_prev, b.part_ids) == b.part_hash, f"block {b.id}: stale partial entry"
+        entries = sum((b.hash is not NO_HASH) + (b.part_hash is not NO_HASH) for b in self.blocks)
+        assert len(self._by_hash) == entries, "orphan hash entries"
+        assert self._num_cached == sum(b.cached for b in self.blocks), "cached-block count drifted"
         assert len(free) + len(lru) + sum(b.ref_count > 0 for b in self.blocks) == self.num_usable

@@ -1,5 +1,5 @@
-"""The host KV tier's bookkeeping: which host slot holds which sealed block, found by the prefix cache's
-chained block hash; LRU eviction; pins on slots a copy is using. Policy only: the backend owns the bytes
+"""The host KV tier's bookkeeping: which host slot holds which sealed block (or a prompt's partial tail,
+BlockManager.seal_partial), found by the prefix cache's chained block hash; LRU eviction; pins on slots a copy is using. Policy only: the backend owns the bytes
 (StepInput.kv_save / kv_load move them), the scheduler decides when.
 
 A slot is *saving* from the moment a save is queued until its copy has landed: it is not matchable then
@@ -56,6 +56,14 @@ class HostTier:
                 break
             out.append(slot)
         return out
+
+    def match_partial(self, prev_hash: int | None, token_ids: tuple[int, ...], h: int | None = None) -> int | None:
+        """The landed slot of a prompt's partial tail (BlockManager.seal_partial's entry), or None; read-only."""
+        slot = self._by_hash.get(block_hash(prev_hash, token_ids) if h is None else h)
+        if slot is None:
+            return None
+        e = self._entries[slot]
+        return slot if e.landed and e.token_ids == token_ids and e.prev_hash == prev_hash else None
 
     def entry(self, slot: int) -> tuple[int, int | None, tuple[int, ...]]:
         e = self._entries[slot]

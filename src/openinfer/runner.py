@@ -52,6 +52,7 @@ def pack(batch: ScheduledBatch, block_size: int) -> StepInput:
         kv_save=np.array(batch.kv_save, dtype=np.int32).reshape(-1, 2),
         kv_load=np.array(batch.kv_load, dtype=np.int32).reshape(-1, 2),
         kv_load_wait=batch.kv_load_wait,
+        kv_copy=np.array(batch.kv_copy, dtype=np.int32).reshape(-1, 2),
         verify=verify,
         draft=np.array([it.draft for it in items], dtype=np.int32) if any(it.draft for it in items) else None,
     )

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager, PrefixChain
+from .block_manager import BlockManager, PrefixChain, block_hash
 from .detokenizer import IncrementalDetokenizer, next_text
 from .host_tier import HostTier
 from .sampling_params import SamplingParams
@@ -97,6 +97,7 @@ class Sequence:
         self.t_admitted = 0  # perf_counter_ns when admitted (the server's path trace)
         self.t_arrived = time.perf_counter_ns()  # when it joined the waiting queue (the server's queue-wait bound)
         self._chain: PrefixChain | None = None
+        self._partial: tuple[int, int | None, tuple[int, ...], int] | None = None
 
     @property
     def prompt_chain(self) -> PrefixChain:
@@ -104,6 +105,22 @@ class Sequence:
         if self._chain is None:
             self._chain = PrefixChain(self.token_ids[:self.num_prompt], self.bs)
         return self._chain
+
+    @property
+    def prompt_partial(self) -> tuple[int, int | None, tuple[int, ...], int] | None:
+        """(block index i, chain hash before it, tokens, their hash) of the prompt's partial tail: the
+        tokens of block i before the last prompt token, which a repeat of this prompt copies instead of
+        computing (BlockManager's partial entries); None for a prompt of at most one block (computed in
+        one chunk) or one whose last token starts a block."""
+        n, bs = self.num_prompt, self.bs
+        if n <= bs or (n - 1) % bs == 0:
+            return None
+        if self._partial is None:
+            i = (n - 1) // bs
+            prev = self.prompt_chain.prev(i)
+            toks = tuple(self.token_ids[i * bs:n - 1])
+            self._partial = (i, prev, toks, block_hash(prev, toks))
+        return self._partial
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -147,6 +164,7 @@ class ScheduledBatch:
     kv_save: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     restores: list[Restore] = field(default_factory=list)
     kv_load_wait: bool = False  # its chunks read what its restores bring (StepInput.kv_load_wait)
+    copies: list[tuple["Sequence", int, int]] = field(default_factory=list)  # partial hits: (seq, cached block, its own)
     launch: int = 0  # the backend's number of the launch that carried it (set by the engine)
     # perf_counter_ns at the backend call, when its output reached the host, after postprocess() (set by the
     # runner and the engine; the server's path trace reads them for a request's first token)
@@ -163,8 +181,12 @@ class ScheduledBatch:
         return [pair for r in self.restores for pair in r.blocks]
 
     @property
+    def kv_copy(self) -> list[tuple[int, int]]:  # (source block, destination block)
+        return [(src, dst) for _, src, dst in self.copies]
+
+    @property
     def empty(self) -> bool:
-        return not (self.items or self.kv_save or self.restores)
+        return not (self.items or self.kv_save or self.restores or self.copies)
 
 
 @dataclass
@@ -338,13 +360,14 @@ class Scheduler:
 
     def _add_chunk(self, batch: ScheduledBatch, seq: Sequence, budget: int, start: int) -> int:
         n = min(seq.num_prompt - start, budget)
-        # The prompt's tail, the tokens after its last whole block before the last token, is a chunk of its
-        # own: the chunk a later prefix hit of this prompt computes. Both runs then compute it alike (the
-        # same rows in a step of the same shape), not once inside a long chunk and once alone, whose sums
-        # round differently: the same request twice gives the same tokens (issue #26 item 1).
-        tail = (seq.num_prompt - 1) // self.bs * self.bs
-        if start < tail < start + n:
-            n = tail - start
+        # A prompt of more than one block ends in a chunk of its last token alone: what a later prefix hit of
+        # this prompt computes (its whole blocks shared, its partial tail copied: _admit). Both runs then compute
+        # that token alike (a one-row step), never once inside a long chunk and once alone, whose sums round
+        # differently: the same request twice gives the same tokens (issue #26 item 1). A one-token step is
+        # also the cheapest last chunk (at batch 1, the persistent decode kernel).
+        last = seq.num_prompt - 1
+        if seq.num_prompt > self.bs and start < last < start + n:
+            n = last - start
         batch.items.append(ScheduledSeq(seq, start, n, start + n == seq.num_prompt))
         self._counters["prefill_tokens_computed"] += n
         return n
@@ -364,10 +387,18 @@ class Scheduler:
         seq.num_sealed = len(hits)
         seq.last_hash = self.bm.blocks[hits[-1]].hash if hits else None
         seq.num_computed = seq.num_cached_tokens = len(hits) * self.bs
-        if self.tier is not None:
-            slots = self.tier.match(seq.prompt_chain, len(hits), max_blocks)
-            if slots:
-                self._restore(seq, slots, batch)
+        slots = self.tier.match(seq.prompt_chain, len(hits), max_blocks) if self.tier is not None else []
+        part, src = seq.prompt_partial, None
+        if part is not None and len(hits) + len(slots) == part[0]:  # every whole block before it is a hit
+            src = self.bm.match_partial(part[1], part[2], part[3])
+            if src is None and self.tier is not None:
+                slot = self.tier.match_partial(part[1], part[2], part[3])
+                if slot is not None:
+                    slots.append(slot)
+        if slots:
+            self._restore(seq, slots, batch)
+        if src is not None:
+            self._copy_partial(seq, src, batch)
         seq.status = Status.RUNNING
         seq.t_admitted = time.perf_counter_ns()  # it has its blocks and a place in this step
         self.running.append(seq)
@@ -392,12 +423,34 @@ class Scheduler:
             pairs.append((slot, bid))
         batch.restores.append(Restore(seq, pairs, len(seq.block_table)))
         seq.block_table += [bid for _, bid in pairs]
-        seq.num_sealed += len(slots)
-        seq.last_hash = self.tier.entry(slots[-1])[0]
-        seq.num_computed = seq.num_cached_tokens = len(seq.block_table) * self.bs
+        full = [slot for slot in slots if len(self.tier.entry(slot)[2]) == self.bs]  # all but a partial tail
+        seq.num_sealed += len(full)
+        if full:
+            seq.last_hash = self.tier.entry(full[-1])[0]
+        hit = sum(len(self.tier.entry(slot)[2]) for slot in slots)
+        seq.num_computed = seq.num_cached_tokens = seq.num_computed + hit
         seq.restoring = True
-        self._counters["host_hit_tokens"] += len(slots) * self.bs
+        self._counters["host_hit_tokens"] += hit
         self._counters["restored_blocks"] += len(slots)
+
+    def _copy_partial(self, seq: Sequence, src: int, batch: ScheduledBatch) -> None:
+        """A block of its own for the prompt's partial tail, filled from the cached one by a copy before the
+        step's forward (StepInput.kv_copy): the sequence goes on to write the slots after the tail."""
+        # From its promise. The source may be the block evicted for it (then no copy), or be evicted later in
+        # this schedule() for another sequence: the copy precedes every write and load of this launch.
+        dst = self.bm.allocate()
+        if dst != src:
+            batch.copies.append((seq, src, dst))
+        seq.block_table.append(dst)
+        seq.num_computed = seq.num_cached_tokens = seq.num_prompt - 1
+        self._counters["prefix_cache_hit_tokens"] += len(seq.prompt_partial[2])
+
+    def _seal_partial(self, seq: Sequence) -> None:
+        """The prompt's partial tail is computed: its block serves repeats of the prompt (and goes to the tier)."""
+        i, prev, toks, h = seq.prompt_partial
+        self.bm.seal_partial(seq.block_table[i], prev, toks, h)
+        if self.tier is not None:
+            self._offload(seq.block_table[i], h, prev, toks)
 
     def _offload(self, block_id: int, h: int, prev: int | None, toks) -> None:
         slot = self.tier.reserve(h, prev, toks)
@@ -427,6 +480,8 @@ class Scheduler:
             r.seq.num_computed = r.seq.num_cached_tokens = r.first * self.bs
             r.seq.num_sealed = r.first
             r.seq.last_hash = r.seq.prompt_chain.prev(r.first)
+        for seq, _, _ in batch.copies:  # the copied tail is computed instead (its block stays the sequence's)
+            seq.num_computed = seq.num_cached_tokens = min(seq.num_computed, seq.prompt_partial[0] * self.bs)
 
     def copies_in_flight(self) -> bool:
         return bool(self._saving or self._loading)
@@ -448,7 +503,10 @@ class Scheduler:
                 for slot, bid in r.blocks:
                     if alive:  # the bytes are on the device now: GPU prefix hits may share them
                         h, _, toks = self.tier.entry(slot)
-                        prev = self.bm.seal(bid, prev, toks, h)  # the slot's hash is this chain's: no rehash
+                        if len(toks) < self.bs:  # a prompt's partial tail (the last of the restore)
+                            self.bm.seal_partial(bid, prev, toks, h)
+                        else:
+                            prev = self.bm.seal(bid, prev, toks, h)  # the slot's hash is this chain's: no rehash
                     self.tier.unpin(slot)
                     self.bm.release([bid])
                 r.seq.restoring = False
@@ -468,6 +526,8 @@ class Scheduler:
                     continue
                 seq.num_computed = it.start + it.num_tokens
                 self._seal(seq)
+                if seq.num_computed == seq.num_prompt - 1 and seq.prompt_partial is not None:
+                    self._seal_partial(seq)
                 if it.sample:
                     updates.append(self._append_token(seq, out, r))
                     self._draft(seq, out, b)

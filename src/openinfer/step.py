@@ -60,6 +60,10 @@ class StepInput:
     # after it in one launch), so layer l waits for layer l of every loaded block; the loads then go layer
     # group by layer group, the forward trailing the link. Whatever else the step holds waits with it.
     kv_load_wait: bool = False
+    # Device block copies (a prompt's partial tail from the prefix cache into the sequence's own block), every
+    # layer's K and V (and the drafter's), in order, on the step's stream before its forward and before the
+    # kv_save / kv_load copies issued with it start: a block this step's loads refill is copied out first.
+    kv_copy: np.ndarray = field(default_factory=_pairs)   # int32 [N, 2] (source block, destination block)
     force_eager: bool = False    # tests: a decode or verify bucket without its CUDA graph (the same kernels)
 
     @property

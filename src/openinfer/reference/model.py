@@ -63,6 +63,10 @@ class ReferenceBackend:
             raise RuntimeError("launch() with two steps already pending: collect() first")
         ids = self._check(step)
         self._launches += 1
+        for src, dst in np.asarray(step.kv_copy):  # on the step's stream, before its forward
+            self.kv_cache[dst] = self.kv_cache[src]
+            if self.drafter is not None:
+                self.drafter.kv[dst] = self.drafter.kv[src]
         if len(step.kv_save) or len(step.kv_load):
             self._copies.append((self._launches, np.asarray(step.kv_save), np.asarray(step.kv_load)))
         # kv_load_wait: this step reads what its loads bring (the GPU orders it layer by layer)
@@ -134,6 +138,9 @@ class ReferenceBackend:
             if (dev < 1).any() or (dev >= self.num_kv_blocks).any() or (host < 0).any() \
                     or (host >= self.num_host_blocks).any():
                 raise ValueError(f"step: {name} block out of range")
+        copies = np.asarray(s.kv_copy)
+        if len(copies) and ((copies < 1).any() or (copies >= self.num_kv_blocks).any()):
+            raise ValueError("step: kv_copy block out of range")
         if s.draft is not None and (len(s.draft) != B or (np.asarray(s.draft) != 0).any() and self.drafter is None):
             raise ValueError("step: draft needs a drafter and one entry per sequence")
         if s.draft is not None:  # the CUDA drafter writes its block's K/V at positions up to p + block_size - 1
