@@ -10,7 +10,8 @@ server's path trace (/metrics `openinfer_request_path_seconds{phase, endpoint, s
 
 Kinds: /v1/completions and /v1/chat/completions, streamed and not, at each --max-tokens (with
 --prompt-tokens N: completions alone, the prompt N token ids, the same each time: after the first, a
-prefix-cache hit whose step computes one token over N of context, the warm-TTFT case); each sends
+prefix-cache hit whose step computes one token over N of context, the warm-TTFT case; with --text, a
+text of about N tokens instead, tokenized by every request); each sends
 --warmup requests, then --requests more between two scrapes of /metrics, whose difference gives the
 kind's phases: p50 / p90 interpolated in the histogram's buckets (as Prometheus' histogram_quantile),
 means exact (sum / count). The client is a raw keep-alive HTTP/1.1 socket, so its own cost in the
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import socket
 import statistics
@@ -47,6 +49,10 @@ from soak import start_server, stop_server  # noqa: E402  (bench/ is on the path
 ENGINE = ("step", "decode")  # the engine's work: what is not the path around the step
 HIST = "openinfer_request_path_seconds"
 COMPLETION = {"prompt": "The capital of France is"}
+WORDS = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word business issue "
+         "side kind head house service friend father power hour game line end member law car city community name").split()
 CHAT = {"messages": [{"role": "user", "content": "What is the capital of France?"}]}
 
 
@@ -182,6 +188,9 @@ def pcts(xs: list[float]) -> dict:
 def run_kind(c: Client, url: str, model: str, endpoint: str, stream: bool, max_tokens: int, a) -> dict:
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     prompt = {"prompt": [(i * 7919) % 30000 + 100 for i in range(a.prompt_tokens)]} if a.prompt_tokens else None
+    if a.prompt_tokens and a.text:  # common English words, one token each with their space: tokenized per request
+        rng = random.Random(a.prompt_tokens)
+        prompt = {"prompt": "The" + "".join(" " + rng.choice(WORDS) for _ in range(a.prompt_tokens - 1))}
     body = dict(prompt or (COMPLETION if endpoint == "completions" else CHAT), model=model, max_tokens=max_tokens,
                 temperature=0, ignore_eos=True, stream=stream)
     skip = 1 if endpoint == "chat_completions" and stream else 0  # chat streams open with the role chunk
@@ -249,6 +258,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", default="1,8", help="max_tokens of the kinds, comma-separated (default 1,8)")
     p.add_argument("--prompt-tokens", type=int, default=0,
                    help="prompts of this many token ids, the same each time (completions only: warm prefix hits)")
+    p.add_argument("--text", action="store_true",
+                   help="with --prompt-tokens: the prompt as text of about that many tokens (the same each time), "
+                        "so that its tokenization is on the path")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, help="the JSON (default: none)")
     a = p.parse_args(argv)
@@ -286,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     doc = {"config": {"url": a.url, "serve_args": a.serve_args, "requests": a.requests, "warmup": a.warmup,
-                      "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
+                      "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "text": a.text, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
            "kinds": kinds}
     print(table(kinds))
     if a.out:

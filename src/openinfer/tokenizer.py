@@ -28,9 +28,12 @@ class TooManyTokens(ValueError):
 _SHRINK = {None: 1, "NFC": 3}
 # Texts longer than this (characters) are encoded with the GIL released (encode_batch; encode holds it:
 # a 7 MB text held it for 7 s, stalling every other thread of the server), in pieces of about
-# _PIECE_CHARS where the pre-tokenizer allows (freeing the Encoding of 1M tokens held the GIL 250 ms).
-_RELEASE_GIL_CHARS = 1 << 15
-_PIECE_CHARS = 1 << 16
+# _PIECE_CHARS where the pre-tokenizer allows (freeing the Encoding of 1M tokens held the GIL 250 ms),
+# _GROUP_CHARS of them per call, which encodes its pieces in parallel (the library's thread pool): a
+# 16k-token prompt in 16 pieces at once instead of ~20 ms of one core. The cap is checked between calls.
+_RELEASE_GIL_CHARS = 1 << 13
+_PIECE_CHARS = 1 << 12
+_GROUP_CHARS = 1 << 16
 # Qwen3's pre-tokenizer: this split, then byte-level. No pretoken of it holds a letter then a space, and
 # a space then letters begin one (` ?\p{L}+`), so a text cut between a letter and a space followed by a
 # letter tokenizes as its two halves do (BPE merges within pretokens only; NFC composes nothing with a
@@ -54,6 +57,19 @@ def _pieces(text: str) -> Iterator[str]:
         yield text[start:i]
         start = i
     yield text[start:]
+
+
+def _groups(pieces: Iterator[str]) -> Iterator[list[str]]:
+    """Consecutive pieces, about _GROUP_CHARS characters a list."""
+    group, n = [], 0
+    for p in pieces:
+        group.append(p)
+        n += len(p)
+        if n >= _GROUP_CHARS:
+            yield group
+            group, n = [], 0
+    if group:
+        yield group
 
 
 class Tokenizer:
@@ -126,11 +142,13 @@ class Tokenizer:
                 raise TooManyTokens(len(enc), cap)
             return enc.ids
         ids: list[int] = []
-        for piece in _pieces(text) if self._cuts_at_spaces else [text]:
-            enc = self._tok.encode_batch([piece], add_special_tokens=False)[0]
-            if cap is not None and len(ids) + len(enc) > cap:
-                raise TooManyTokens(len(ids) + len(enc), cap)  # at least that many: the rest is not read
-            ids += enc.ids
+        for group in _groups(_pieces(text) if self._cuts_at_spaces else iter([text])):
+            encs = self._tok.encode_batch(group, add_special_tokens=False)
+            for i in range(len(encs)):
+                enc, encs[i] = encs[i], None  # each Encoding freed once read, not all at the end
+                if cap is not None and len(ids) + len(enc) > cap:
+                    raise TooManyTokens(len(ids) + len(enc), cap)  # at least that many: the rest is not read
+                ids += enc.ids
         return ids
 
     @functools.cached_property
