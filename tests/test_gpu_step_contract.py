@@ -166,25 +166,29 @@ def test_device_copies_land_before_the_forward(engine, graph):
 
 
 def test_host_restore_generates_what_a_gpu_hit_generates(engine):
-    """A prompt served cold (its blocks saved), then as a GPU prefix hit, then, with the GPU prefix cache
-    dropped, restored from the host tier: the last two compute the same suffix on the same K/V bytes, so
-    their greedy tokens are identical."""
+    """A prompt served cold (its blocks and its partial tail saved), then as a GPU prefix hit, then, with the
+    GPU prefix cache dropped, restored from the host tier: the last two copy the same K/V bytes and all three
+    compute the last token in the same one-token step, so tokens and log-probs are identical, bit for bit."""
     import openinfer
 
     le = engine.llm_engine
     ids = list(np.random.default_rng(3).integers(0, 151643, 700))
-    sp = openinfer.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    engine.generate([ids], sp)
-    hit = engine.generate([ids], sp)[0].token_ids
+    sp = openinfer.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+
+    def gen():
+        o = engine.generate([ids], sp)[0]
+        return o.token_ids, [lp.logprob for lp in o.logprobs]
+    cold = gen()
+    hit = gen()
     before = le.stats()
     assert before["prefix_cache_hit_tokens"] >= 699
     le.block_manager.reset_prefix_cache()
-    restored = engine.generate([ids], sp)[0].token_ids
+    restored = gen()
     after = le.stats()
     # 43 full blocks and the partial tail of 11 tokens: all but the last token
     assert after["host_hit_tokens"] - before["host_hit_tokens"] == 699
     assert after["prefix_cache_hit_tokens"] == before["prefix_cache_hit_tokens"]
-    assert restored == hit
+    assert restored == hit == cold
     le.scheduler.check_integrity()
     assert after["kv_blocks_used"] == 0
 

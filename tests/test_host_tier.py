@@ -163,24 +163,35 @@ def _record_launches(eng) -> list:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_idle_restore_runs_its_chunk_in_the_launch_of_its_copies(engine_of, overlap):
+@pytest.mark.parametrize("partial", [True, False])
+def test_idle_restore_runs_its_chunk_in_the_launch_of_its_copies(engine_of, overlap, partial, monkeypatch):
     """With nothing else to run, the restore's copies and the prompt's remaining chunk share one launch that
     waits for the copies on the device (kv_load_wait). Copies land three launches late here unless a step
-    waits for them: a chunk that read its prefix before it landed would read zeros."""
+    waits for them: a chunk that read its prefix before it landed would read zeros. The prompt's last token
+    stays out of it: with its partial tail restored too, the launch carries the copies alone, and the last
+    token runs after they land as the one-token step a cold run ends with (a decode graph on the GPU, which
+    cannot wait layer by layer), so a restore gives the cold run's bits."""
+    from openinfer.scheduler import Scheduler
     p = toks(70)
     cold = run(engine_of(enable_prefix_caching=False, kv_offload=False, kv_offload_host_gib=None),
                {"c": (p, GREEDY)})["c"]
     eng = engine_of(enable_prefix_caching=False, overlap_steps=overlap)
+    if not partial:  # the tier gets the 4 whole blocks only
+        monkeypatch.setattr(Scheduler, "_seal_partial", lambda self, seq: None)
     run(eng, {"first": (p, GREEDY)})
+    monkeypatch.undo()
     eng.backend.wait_copies()
     eng.scheduler.copies_landed(*eng.backend.copy_progress())
     eng.backend.copy_latency = 3
     eng.backend.kv_cache[:] = 0  # the restored prefix must come from the host
     seen = _record_launches(eng)
     assert run(eng, {"again": (p, GREEDY)})["again"] == cold
-    assert seen[0] == (True, 5, 1, 1), seen  # 4 blocks and the partial tail restored, the last token computed
+    if partial:  # 4 blocks and the partial tail restored; then the last token alone, not waiting on copies
+        assert seen[:2] == [(False, 5, 0, 0), (False, 0, 1, 1)], seen
+    else:  # 4 blocks restored and the next 5 tokens computed behind them; then the last token alone
+        assert seen[:2] == [(True, 4, 5, 1), (False, 0, 1, 1)], seen
     assert not any(w for w, *_ in seen[1:])
-    assert eng.stats()["host_hit_tokens"] == 69
+    assert eng.stats()["host_hit_tokens"] == (69 if partial else 64)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

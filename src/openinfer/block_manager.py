@@ -127,6 +127,11 @@ class BlockManager:
                 del self._lru[bid]
             b.ref_count += 1
 
+    def touch(self, block_id: int) -> None:
+        """A cached block nobody holds was used (a partial tail copied): it becomes the last to evict."""
+        if block_id in self._lru:
+            self._lru.move_to_end(block_id)
+
     def allocate(self) -> int:
         """A fresh block with ref count 1, evicting the least recently used cached block if needed."""
         if self._free:

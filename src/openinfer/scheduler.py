@@ -344,9 +344,13 @@ class Scheduler:
             # Nothing else runs: the restored prompts' next chunks go in this launch, their layers waiting on
             # the device for the copies (the forward trails the link) instead of a step after the host sees
             # them land. With anything else in the step it would wait too: then restores land first.
+            # A prompt's last token alone stays out: it runs once the copies have landed, as the one-token step
+            # its cold run ran (at batch 1 a decode graph, which cannot wait on the copies layer by layer), so
+            # that a restore gives the cold run's bits.
             for r in batch.restores:
-                if budget > 0 and r.seq.num_computed < r.seq.num_prompt:
-                    budget -= self._add_chunk(batch, r.seq, budget, r.seq.num_computed)
+                seq = r.seq
+                if budget > 0 and seq.num_computed < seq.num_prompt and not self._last_token_alone(seq, seq.num_computed):
+                    budget -= self._add_chunk(batch, seq, budget, seq.num_computed)
             batch.kv_load_wait = bool(batch.items)
         in_backend = self.drafter is not None and self.drafter.in_backend
         for it in batch.items:  # lazy allocation: always succeeds thanks to the promises
@@ -371,6 +375,10 @@ class Scheduler:
         batch.items.append(ScheduledSeq(seq, start, n, start + n == seq.num_prompt))
         self._counters["prefill_tokens_computed"] += n
         return n
+
+    def _last_token_alone(self, seq: Sequence, start: int) -> bool:
+        """Whether a chunk from `start` is the prompt's last token in a step of its own (_add_chunk)."""
+        return seq.num_prompt > self.bs and start == seq.num_prompt - 1
 
     def promised_blocks(self) -> int:
         return sum(s.promise for s in self.running)
@@ -441,6 +449,7 @@ class Scheduler:
         dst = self.bm.allocate()
         if dst != src:
             batch.copies.append((seq, src, dst))
+            self.bm.touch(src)  # used now: evicted after the blocks used less recently
         seq.block_table.append(dst)
         seq.num_computed = seq.num_cached_tokens = seq.num_prompt - 1
         self._counters["prefix_cache_hit_tokens"] += len(seq.prompt_partial[2])
