@@ -139,3 +139,15 @@ def test_random_operations_keep_integrity():
         bm.release(t)
     bm.check_integrity()
     assert bm.num_free == bm.num_usable
+
+
+def test_touch_makes_a_cached_block_the_last_to_evict():
+    bm = BlockManager(4, 2)
+    a, b, c = fill(bm, [1, 2]), fill(bm, [3, 4]), fill(bm, [5, 6])
+    for t in (a, b, c):
+        bm.release(t)
+    bm.touch(a[0])  # oldest until used
+    bm.touch(0)  # block 0 is never cached: nothing happens
+    assert [bm.allocate() for _ in range(2)] == [b[0], c[0]]
+    assert bm.match_prefix([1, 2], 1) == a
+    bm.check_integrity()
