@@ -223,3 +223,11 @@ def test_prompt_ids_forms(tiny_dir, n):
     for bad in (ids[:-1] + [-1], ids[:-1] + [eng.model_config.vocab_size]):
         with pytest.raises(RequestRejected, match="vocabulary"):
             eng.add_request("x", bad, SamplingParams(max_tokens=1))
+    # ids _prompt_ids checked (the server's route) pass through add_request as they are; a larger vocabulary's
+    # do not, and a plain list is checked again
+    from openinfer.engine import _prompt_ids
+    checked = _prompt_ids(ids, eng.model_config.vocab_size)
+    assert _prompt_ids(checked, eng.model_config.vocab_size) is checked
+    wider = _prompt_ids(ids[:-1] + [eng.model_config.vocab_size], eng.model_config.vocab_size + 1)
+    with pytest.raises(RequestRejected, match="vocabulary"):
+        eng.add_request("x", wider, SamplingParams(max_tokens=1))

@@ -254,9 +254,17 @@ class LLMEngine:
 _SHORT_PROMPT = 256
 
 
+class TokenIds(list):
+    """Token ids that _prompt_ids has checked against a vocabulary of `vocab_size` (the server checks a
+    request's ids once, on its event loop, instead of there and again in add_request)."""
+    vocab_size = 0
+
+
 def _prompt_ids(tokens: Seq[int], vocab_size: int) -> list[int]:
     """The prompt as Python ints, each in [0, vocab_size), else RequestRejected. NumPy converts and
     bounds long ones: 16k ids in 0.4 ms, against 0.8 for int() of each and min() and max()."""
+    if type(tokens) is TokenIds and 0 < tokens.vocab_size <= vocab_size:
+        return tokens
     a = None
     if len(tokens) > _SHORT_PROMPT:
         try:
@@ -271,6 +279,8 @@ def _prompt_ids(tokens: Seq[int], vocab_size: int) -> list[int]:
     if lo < 0 or hi >= vocab_size:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise RequestRejected(f"prompt token id {bad} is outside the vocabulary [0, {vocab_size})")
+    ids = TokenIds(ids)
+    ids.vocab_size = vocab_size
     return ids
 
 

@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from ..chat import ChatDelta, ChatError, ChatOutputParser, ChatPrompt, ChatTemplate, chat_prompt
 from ..engine import QueueFull, RequestRejected
+from ..engine import _prompt_ids as _engine_prompt_ids
 from ..sampling_params import SamplingParams, choice_params
 from ..tokenizer import TooManyTokens
 from ..version import build_info
@@ -124,9 +125,11 @@ def _check_model(st: ServerState, model: str | None) -> None:
 
 
 def _check_ids(st: ServerState, ids: list[int], param: str) -> list[int]:
-    if ids and (min(ids) < 0 or max(ids) >= st.vocab_size):
-        raise bad(f"token ids must be in [0, {st.vocab_size})", param)
-    return ids
+    """The ids, checked once here: the engine takes them as they are (TokenIds)."""
+    try:
+        return _engine_prompt_ids(ids, st.vocab_size)
+    except RequestRejected:
+        raise bad(f"token ids must be in [0, {st.vocab_size})", param) from None
 
 
 def _check_length(st: ServerState, n_prompt: int, max_tokens: int | None, param: str,
