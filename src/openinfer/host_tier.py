@@ -1,6 +1,7 @@
 """The host KV tier's bookkeeping: which host slot holds which sealed block (or a prompt's partial tail,
-BlockManager.seal_partial), found by the prefix cache's chained block hash; LRU eviction; pins on slots a copy is using. Policy only: the backend owns the bytes
-(StepInput.kv_save / kv_load move them), the scheduler decides when.
+BlockManager.seal_partial), found by the prefix cache's chained block hash; LRU eviction; pins on slots a
+copy is using. Policy only: the backend owns the bytes (StepInput.kv_save / kv_load move them), the
+scheduler decides when.
 
 A slot is *saving* from the moment a save is queued until its copy has landed: it is not matchable then
 (its bytes are not there yet) and cannot be evicted. A *landed* slot serves prefix hits; while a restore

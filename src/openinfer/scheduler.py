@@ -431,11 +431,12 @@ class Scheduler:
             pairs.append((slot, bid))
         batch.restores.append(Restore(seq, pairs, len(seq.block_table)))
         seq.block_table += [bid for _, bid in pairs]
-        full = [slot for slot in slots if len(self.tier.entry(slot)[2]) == self.bs]  # all but a partial tail
-        seq.num_sealed += len(full)
+        tail = len(self.tier.entry(slots[-1])[2])  # whole blocks, then maybe the prompt's partial tail
+        full = len(slots) - (tail < self.bs)
+        seq.num_sealed += full
         if full:
-            seq.last_hash = self.tier.entry(full[-1])[0]
-        hit = sum(len(self.tier.entry(slot)[2]) for slot in slots)
+            seq.last_hash = self.tier.entry(slots[full - 1])[0]
+        hit = (len(slots) - 1) * self.bs + tail
         seq.num_computed = seq.num_cached_tokens = seq.num_computed + hit
         seq.restoring = True
         self._counters["host_hit_tokens"] += hit
