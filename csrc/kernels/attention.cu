@@ -86,12 +86,20 @@ __device__ __forceinline__ void cluster_wait_acquire() { asm volatile("barrier.c
 // SEG (a.segment > 0, row-warp blocks of 64-key tiles only): chunk-invariant keys, see AttnArgs::segment.
 // An unsplit block folds each row's finished segment into a running total kept in the workspace (split 0's
 // rows, free in an unsplit launch), a split block computes one segment.
-template <int NW, int KT, bool CLU, bool KW, bool SEG>
+// SEG 2 (dim warps, items of up to 16 rows): the NW warps of a block share its 16 query rows and each computes the
+// scores and softmax of every key (the same instructions as one row warp) but P.V for its kD / NW dims only: every
+// output element takes the same sums in the same order as in a one-warp block (bits unchanged), with NW warps
+// streaming the tiles.
+constexpr int kAttnDimWarps = 4;  // dim warps of a chunk-invariant block of up to 16 rows (SEG 2)
+template <int NW, int KT, bool CLU, bool KW, int SEG>
 __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, float scale_log2) {
   static_assert(!KW || CLU, "key warps merge through the cluster path");
   static_assert(!SEG || (KT == 64 && !CLU && !KW), "chunk-invariant keys take row-warp blocks of 64-key tiles");
   static_assert(!KW || (KT == 16 && kAttnChunkAlign % (NW * 16) == 0), "key-warp ranges start on whole pages");
-  constexpr int kRows = KW ? 16 : 16 * NW, kThreads = NW * 32, kNT = KT / 8;
+  constexpr bool kDW = SEG == 2;  // dim warps
+  static_assert(!kDW || (kD / 8) % (2 * NW) == 0, "dim warps take whole pairs of 8-dim n-tiles");
+  constexpr int kRows = KW || kDW ? 16 : 16 * NW, kThreads = NW * 32, kNT = KT / 8;
+  constexpr int kND = kDW ? kD / 8 / NW : kD / 8;  // this warp's 8-dim n-tiles of P.V and the output
   // Tile loaders: the whole block (row warps share tiles) or each warp alone (key warps).
   constexpr int kLoaders = KW ? 32 : kThreads;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -222,7 +230,8 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   }
   // This thread's two rows (g and g + 8 of the warp): -1 masks every key (rows past the item).
   int pos[2];
-  const int wrow = KW ? 0 : warp * 16;  // the warp's first query row
+  const int wrow = KW || kDW ? 0 : warp * 16;  // the warp's first query row
+  const int dbase = kDW ? warp * kND : 0;       // its first 8-dim n-tile (dim warps)
 #pragma unroll
   for (int h2 = 0; h2 < 2; ++h2) {
     const int r = wrow + g + 8 * h2;
@@ -243,9 +252,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
     qf[ks][3] = lds32(&sQ[r0 + 8][d0 + 8]);
   }
 
-  float o[kD / 8][4];
+  float o[kND][4];  // n-tile j holds dims (dbase + j) * 8 ..
 #pragma unroll
-  for (int i = 0; i < kD / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  for (int i = 0; i < kND; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
   float m[2] = {kNegInf, kNegInf}, l[2] = {0.f, 0.f};
   auto row_index = [&](int r) { return (int64_t)(w.tok_start + r / group) * a.num_heads + kvh * group + r % group; };
   // SEG, unsplit: each row's segments folded so far (M, D here, A in the workspace); M = -inf: none yet.
@@ -264,16 +273,16 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         const bool first = seg_m[h2] == kNegInf;
         float wa, wb;
         seg_weights(seg_m[h2], seg_d[h2], lse, wa, wb);
-        float* acc = a.ws_o + row_index(r) * kD + 2 * c;
+        float* acc = a.ws_o + row_index(r) * kD + dbase * 8 + 2 * c;
 #pragma unroll
-        for (int dn = 0; dn < kD / 8; ++dn) {
+        for (int dn = 0; dn < kND; ++dn) {
           const float2 prev = first ? make_float2(0.f, 0.f) : *reinterpret_cast<const float2*>(acc + dn * 8);
           *reinterpret_cast<float2*>(acc + dn * 8) = make_float2(seg_fold(prev.x, wa, wb, o[dn][2 * h2] * inv),
                                                                  seg_fold(prev.y, wa, wb, o[dn][2 * h2 + 1] * inv));
         }
       }
 #pragma unroll
-      for (int dn = 0; dn < kD / 8; ++dn) o[dn][2 * h2] = o[dn][2 * h2 + 1] = 0.f;
+      for (int dn = 0; dn < kND; ++dn) o[dn][2 * h2] = o[dn][2 * h2 + 1] = 0.f;
       m[h2] = kNegInf;
       l[h2] = 0.f;
     }
@@ -286,7 +295,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   };
   for (int k0 = klo, it = 0; k0 < khi; k0 += KT, ++it) {
     const int stage = it % kStages;
-    if constexpr (SEG)  // an unsplit block at a segment boundary (a split block's keys are one segment)
+    if constexpr (SEG != 0)  // an unsplit block at a segment boundary (a split block's keys are one segment)
       if (k0 > lo && k0 % a.segment == 0 && warp_active) fold_segment();
     // Tile it + kStages - 1 refills the stage computed in the previous iteration (freed by its closing sync).
     if (k0 + (kStages - 1) * KT < khi) load_tile((it + kStages - 1) % kStages, k0 + (kStages - 1) * KT);
@@ -346,7 +355,7 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         l[h2] *= alpha[h2];
       }
 #pragma unroll
-      for (int i = 0; i < kD / 8; ++i) {
+      for (int i = 0; i < kND; ++i) {
         o[i][0] *= alpha[0];
         o[i][1] *= alpha[0];
         o[i][2] *= alpha[1];
@@ -371,9 +380,9 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         // V is [key][dim] in smem: ldmatrix.trans yields the col-major B fragments of two dim n-tiles.
         const int vr = 16 * t + (lane & 7) + ((lane >> 3) & 1) * 8, vc = (lane >> 4) * 8;
 #pragma unroll
-        for (int dn = 0; dn < kD / 8; dn += 2) {
+        for (int dn = 0; dn < kND; dn += 2) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, &sV[stage][vr][dn * 8 + vc]);
+          ldmatrix_x4_trans(b, &sV[stage][vr][(dbase + dn) * 8 + vc]);
           mma16816(o[dn], pa, b[0], b[1]);
           mma16816(o[dn + 1], pa, b[2], b[3]);
         }
@@ -490,18 +499,18 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
   }
 #pragma unroll
   for (int h2 = 0; h2 < 2 && !CLU; ++h2) {
-    const int r = warp * 16 + g + 8 * h2;
+    const int r = wrow + g + 8 * h2;
     if (r >= rows) continue;
     const int t = w.tok_start + r / group, h = kvh * group + r % group;
     const float inv = l[h2] > 0.f ? 1.f / l[h2] : 0.f;
     if (SEG && direct && seg_m[h2] != kNegInf) {  // folded before: fold the last segment, write A / D
-      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
-      const float* acc = a.ws_o + row_index(r) * kD + 2 * c;
+      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + dbase * 8 + 2 * c;
+      const float* acc = a.ws_o + row_index(r) * kD + dbase * 8 + 2 * c;
       float wa = 1.f, wb = 0.f;
       if (l[h2] > 0.f) seg_weights(seg_m[h2], seg_d[h2], m[h2] + log2f(l[h2]), wa, wb);
       const float dinv = 1.f / seg_d[h2];
 #pragma unroll
-      for (int dn = 0; dn < kD / 8; ++dn) {
+      for (int dn = 0; dn < kND; ++dn) {
         const float2 prev = *reinterpret_cast<const float2*>(acc + dn * 8);
         float x = prev.x, y = prev.y;
         if (l[h2] > 0.f) {
@@ -511,20 +520,20 @@ __global__ void __launch_bounds__(NW * 32) paged_attention_kernel(AttnArgs a, fl
         *reinterpret_cast<uint32_t*>(dst + dn * 8) = pack_bf16(__fmul_rn(x, dinv), __fmul_rn(y, dinv));
       }
     } else if (direct) {
-      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + 2 * c;
+      bf16* dst = a.out + ((int64_t)t * a.num_heads + h) * kD + dbase * 8 + 2 * c;
 #pragma unroll
-      for (int dn = 0; dn < kD / 8; ++dn)
+      for (int dn = 0; dn < kND; ++dn)
         *reinterpret_cast<uint32_t*>(dst + dn * 8) =
             SEG ? pack_bf16(seg_one(o[dn][2 * h2] * inv), seg_one(o[dn][2 * h2 + 1] * inv))
                 : pack_bf16(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
     } else {
       const int64_t idx = ((int64_t)split * a.num_tokens + t) * a.num_heads + h;
-      float* dst = a.ws_o + idx * kD + 2 * c;
+      float* dst = a.ws_o + idx * kD + dbase * 8 + 2 * c;
       if (lo < hi)  // an empty split's zero weight keeps the merge from reading it
 #pragma unroll
-        for (int dn = 0; dn < kD / 8; ++dn)
+        for (int dn = 0; dn < kND; ++dn)
           *reinterpret_cast<float2*>(dst + dn * 8) = make_float2(o[dn][2 * h2] * inv, o[dn][2 * h2 + 1] * inv);
-      if (c == 0) a.ws_lse[idx] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
+      if (c == 0 && (!kDW || warp == 0)) a.ws_lse[idx] = l[h2] > 0.f ? m[h2] + log2f(l[h2]) : kNegInf;
     }
   }
   if (direct) return;
@@ -722,12 +731,13 @@ cudaLaunchAttribute cluster_attr(int cluster) {
 }
 
 // One attribute call per instantiation (graph capture safe afterwards: the first launch is eager).
-template <int NW, int KT, bool CLU, bool KW = false, bool SEG = false>
+template <int NW, int KT, bool CLU, bool KW = false, int SEG = 0>
 void configure() {
   static bool configured = false;
   if (configured) return;
   auto kernel = paged_attention_kernel<NW, KT, CLU, KW, SEG>;
-  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<NW, KT, CLU, KW>()));
+  constexpr int kQNW = SEG == 2 ? 1 : NW;  // dim warps keep one warp's 16 query rows
+  OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem_bytes<kQNW, KT, CLU, KW>()));
   if (CLU) OI_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
   configured = true;
 }
@@ -761,14 +771,15 @@ int max_cluster() {
   return c;
 }
 
-template <int NW, int KT, bool CLU, bool KW = false, bool SEG = false>
+template <int NW, int KT, bool CLU, bool KW = false, int SEG = 0>
 void launch(const AttnArgs& a, dim3 grid, int cluster, float scale_log2, bool early, cudaStream_t s) {
   static_assert(!CLU || smem_main_bytes<NW, KT, KW>() >= (KW ? (NW + 1) * 16 * (kD + 2) : 16 * NW * (kD + 1)) * 4,
                 "cluster merge buffer");
   auto kernel = paged_attention_kernel<NW, KT, CLU, KW, SEG>;
   configure<NW, KT, CLU, KW, SEG>();
   const cudaLaunchAttribute clu = cluster_attr(cluster);
-  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<NW, KT, CLU, KW>(), s, CLU ? &clu : nullptr,
+  constexpr int kQNW = SEG == 2 ? 1 : NW;  // dim warps keep one warp's 16 query rows
+  OI_CUDA_CHECK(launch_kernel(early, kernel, grid, dim3(NW * 32), smem_bytes<kQNW, KT, CLU, KW>(), s, CLU ? &clu : nullptr,
                               a, scale_log2));
 }
 
@@ -815,7 +826,13 @@ int attn_num_splits(int num_work, int num_kv_heads, int max_context, int num_tok
   // took 9.2 us for batch 1 with 128 blocks and 9.6 with 256; 18.8 us for batch 8 with 512 blocks, 22.7
   // with 1024 and 23.1 with 256; 72 us for batch 64 unsplit (512 blocks), 81 us with two splits.
   const int target = 4 * num_sms;
-  if (blocks * 2 > target || num_tokens <= 0) return 1;
+  if (num_tokens <= 0) return 1;
+  // Decode grids of more than one and up to two blocks per SM (4B batch 17-33 on 132 SMs) with key warps: four warps
+  // split each row's keys in one block (splits 4 -> key-warp blocks of one split, no cluster wait) instead of two
+  // one-warp splits (batch 32 x 1,024 keys 56.7 -> 55.1 us a layer on an H100).
+  if (key_warps_apply(max_rows, v) && blocks > target / 4 && blocks <= num_sms * 2 && max_context >= 4 * kAttnChunkAlign)
+    return kAttnKeyWarps;
+  if (blocks * 2 > target) return 1;
   int splits = target / blocks;
   // A split covers whole aligned chunks; with key warps a block's chunk is cut four ways, so each
   // warp's range may be as short as one 16-key tile.
@@ -864,10 +881,11 @@ void paged_attention(const AttnArgs& a, cudaStream_t s) {
   const float scale_log2 = 1.4426950408889634f / sqrtf((float)kD);
   const dim3 grid(a.num_work, a.kv.num_kv_heads, a.num_splits);
   if (a.segment > 0) {  // chunk-invariant: 64-key tiles whatever the rows; num_splits 1 or >= every item's segments
-    if (a.max_rows <= 16) launch<1, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
-    else if (a.max_rows <= 32) launch<2, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
-    else if (a.max_rows <= 64) launch<4, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
-    else launch<8, 64, false, false, true>(a, grid, 1, scale_log2, false, s);
+    // up to 16 rows (decode, a verify's short items): four dim warps on the one warp's rows, the same bits
+    if (a.max_rows <= 16) launch<kAttnDimWarps, 64, false, false, 2>(a, grid, 1, scale_log2, false, s);
+    else if (a.max_rows <= 32) launch<2, 64, false, false, 1>(a, grid, 1, scale_log2, false, s);
+    else if (a.max_rows <= 64) launch<4, 64, false, false, 1>(a, grid, 1, scale_log2, false, s);
+    else launch<8, 64, false, false, 1>(a, grid, 1, scale_log2, false, s);
     if (a.num_splits > 1)
       OI_CUDA_CHECK(launch_kernel(false, merge_segments_kernel, dim3(a.num_work, a.kv.num_kv_heads, (a.max_rows + 7) / 8),
                                   dim3(256), 0, s, nullptr, a));
