@@ -28,7 +28,8 @@
 # server's log, ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
 # closed-loop at concurrency 64 for 20 s, then OVERLOAD_FACTOR (2) times it for 60 s: every request done
 # or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min), gpusuite (every GPU test in one pytest
-# process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; ~10 min, a call of its own),
+# process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; over 10 min on an H100 on
+# 2026-12-07, so more than a call; each test's time goes to gpusuite_times.tsv as it ends),
 # capsweep (QPS 32 and concurrency 64, 40 s each, a fresh server per point, at each --max-prefill-tokens-while-decoding
 # in CAPS, default 1024 2048 4096: issue #25 item 4), determinism (issue #26 item 2: the deterministic tests, 4B and 8B, then its cost: bench_engine 4B 1/8/64 and a
 # 1024-token prefill with deterministic off and on; determinism_cost.json).
@@ -160,7 +161,7 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
           python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
     path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
             --out "$OUT/path.json" | tail -26 ;;
-    gpusuite) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B \
+    gpusuite) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B OPENINFER_TEST_TIMES=$OUT/gpusuite_times.tsv \
                 python3 -m pytest -q -rfEs --durations=25 -p no:cacheprovider -m gpu tests 2>&1 | tee "$OUT/gpusuite.log" | tail -45 ;;
     overload) need_4b && python3 bench/overload.py --serve-args "--model-path $CKPT4B --log-level warning" \
             --factor ${OVERLOAD_FACTOR:-2} --seconds 60 --out "$OUT/overload.json" | tail -4 ;;

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 
@@ -20,6 +21,15 @@ from cli_util import command_env
 
 # A CUDA context (torch's, once the HF comparisons have run) stays for the process; a model does not.
 GPU_MODULE_SLACK_BYTES = 1 << 30
+
+
+def pytest_runtest_logreport(report):
+    """OPENINFER_TEST_TIMES=FILE: each phase of each test appended as it ends (seconds, phase, outcome, id), so
+    a run that a time limit kills still says where its time went (--durations prints only at the end)."""
+    path = os.environ.get("OPENINFER_TEST_TIMES")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{report.duration:.2f}\t{report.when}\t{report.outcome}\t{report.nodeid}\n")
 
 
 @pytest.fixture(scope="module", autouse=True)

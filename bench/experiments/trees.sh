@@ -36,7 +36,7 @@ for spec in "$@"; do
   case $phase in
     tests) CK=/tmp/ckpt/openinfer-ckpt/qwen3-4b
       [ -f $CK/config.json ] || python3 -m openinfer.tools.random_checkpoint --preset qwen3-4b --out $CK > /dev/null
-      OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT timeout $(( $(rest) - 5 )) \
+      OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CK OPENINFER_TEST_REPORT=$OUT OPENINFER_TEST_TIMES=$OUT/times.tsv timeout $(( $(rest) - 5 )) \
         python3 -m pytest -q -rfEs -p no:cacheprovider ${TESTS:-tests/test_gpu_verify_graphs.py tests/test_gpu_graphs.py \
         tests/test_gpu_drafter.py tests/test_gpu_step_contract.py tests/test_gpu_model.py tests/test_server.py \
         tests/test_gpu_consistency.py} -k "not 0.6b and not 8b" 2>&1 | tee $OUT/tests.log | tail -25 ;;
