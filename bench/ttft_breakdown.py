@@ -1,6 +1,6 @@
-"""Where a prefix-hit request's time to first token goes, inside the engine (no HTTP): add_request, then
-each engine step until the first token (wall and GPU time), for a GPU prefix hit and for a host restore
-(pure host-restore mode), at a few prompt lengths. Compare with bench/host_tier_bench.py ttft (through
+"""Where a request's time to first token goes, inside the engine (no HTTP): add_request, then each engine
+step until the first token (wall and GPU time), for a cold prompt (no host tier), a GPU prefix hit and a
+host restore (pure host-restore mode), at a few prompt lengths. Compare with bench/host_tier_bench.py ttft (through
 the server) to read the HTTP path's share.
 
   python bench/ttft_breakdown.py --preset qwen3-4b --lengths 256,4096,16384 --out breakdown.json
@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model-path", default=None, help="a checkpoint (default: random weights of --preset)")
+    ap.add_argument("--modes", default="cold,gpu_hit,host_restore")
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     import openinfer
@@ -52,14 +53,18 @@ def main() -> None:
     lengths = [int(x) for x in a.lengths.split(",")]
     prompts = {n: rng.integers(1000, 150000, n).tolist() for n in lengths}
     out = {}
-    for mode, kw in (("gpu_hit", {}), ("host_restore", dict(enable_prefix_caching=False))):
+    tier = dict(kv_offload=True, kv_offload_host_gib=8)
+    # cold: a new prompt each time (after one of the same length, which makes its GEMM plans), no host tier
+    for mode, kw in (("cold", {}), ("gpu_hit", tier), ("host_restore", dict(enable_prefix_caching=False, **tier))):
+        if mode not in a.modes.split(","):
+            continue
         eng = LLMEngine(EngineConfig(str(d), device=a.device, load_format="safetensors" if a.model_path else "random",
-                                     max_model_len=17000, kv_offload=True, kv_offload_host_gib=8,
-                                     gpu_memory_utilization=0.6, **kw))
+                                     max_model_len=17000, gpu_memory_utilization=0.6, **kw))
         for n in lengths:
-            first_token(eng, f"{mode}-{n}-cold", prompts[n], sp)
+            first_token(eng, f"{mode}-{n}-first", prompts[n], sp)
             eng.backend.wait_copies()
-            runs = [first_token(eng, f"{mode}-{n}-{i}", prompts[n], sp) for i in range(a.reps)]
+            fresh = (lambda: rng.integers(1000, 150000, n).tolist()) if mode == "cold" else (lambda: prompts[n])
+            runs = [first_token(eng, f"{mode}-{n}-{i}", fresh(), sp) for i in range(a.reps)]
             med = statistics.median(r["first_token_ms"] for r in runs)
             r = min(runs, key=lambda r: abs(r["first_token_ms"] - med))
             out[f"{mode}_{n}"] = r
