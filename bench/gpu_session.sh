@@ -25,7 +25,8 @@
 # mixed traffic at SOAK_RATE req/s on the 4B, then soak.json, soak.svg and the server's log; 8 minutes leave
 # a call little room for other stages), path (bench/path_bench.py: where a lone request's microseconds go
 # around its step on the 4B, per phase from the server's trace, beside the client's TTFT; path.json and the
-# server's log, ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
+# server's log, ~2 min), ttftpath (path_bench's warm and --cold prompt-id kinds at TP_LENGTHS, default 256 1024, then
+# ttft_breakdown.py's cold / GPU hit / host restore at TP_BREAKDOWN inside the engine; ~2 min), overload (bench/overload.py: the 4B's saturation at 1024 in / 128 out, measured
 # closed-loop at concurrency 64 for 20 s, then OVERLOAD_FACTOR (2) times it for 60 s: every request done
 # or a 503 within 100 ms, TTFT bounded; overload.json, ~2 min), gpusuite (every GPU test in one pytest
 # process, `-m gpu` over tests/ with the server suite on the 4B: issue #26 item 9; over 10 min on an H100 on
@@ -159,6 +160,11 @@ for stage in ${STAGES:-kernels graphs model server bench}; do
     soak) need_4b && python3 bench/soak.py --serve-args "--model-path $CKPT4B --max-model-len 8192 --log-level warning" \
             --minutes ${SOAK_MINUTES:-8} --rate ${SOAK_RATE:-32} --out "$OUT/soak.json" | tail -7
           python3 bench/soak_plot.py "$OUT/soak.json" "$OUT/soak.svg" ;;
+    ttftpath) need_4b && for n in ${TP_LENGTHS:-256 1024}; do for m in warm cold; do  # issue #25: where TTFT goes
+                echo "-- $m $n"; python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 20000" \
+                  --prompt-tokens $n --max-tokens 1 --requests 40 --warmup 5 $([ $m = cold ] && echo --cold) \
+                  --out "$OUT/path_${m}_$n.json" | tail -20; done; done
+              python3 bench/ttft_breakdown.py --lengths ${TP_BREAKDOWN:-256,1024,16384} --reps 3 --out "$OUT/breakdown.json" ;;
     path) need_4b && python3 bench/path_bench.py --serve-args "--model-path $CKPT4B --device cuda --max-model-len 4096" \
             --out "$OUT/path.json" | tail -26 ;;
     gpusuite) need_4b && OPENINFER_TEST_DEVICE=cuda OPENINFER_TEST_MODEL=$CKPT4B OPENINFER_TEST_TIMES=$OUT/gpusuite_times.tsv \

@@ -10,7 +10,8 @@ server's path trace (/metrics `openinfer_request_path_seconds{phase, endpoint, s
 
 Kinds: /v1/completions and /v1/chat/completions, streamed and not, at each --max-tokens (with
 --prompt-tokens N: completions alone, the prompt N token ids, the same each time: after the first, a
-prefix-cache hit whose step computes one token over N of context, the warm-TTFT case; with --text, a
+prefix-cache hit whose step computes one token over N of context, the warm-TTFT case; with --cold, a new
+prompt each request (the cold case: its chunk's step and its last token's); with --text, a
 text of about N tokens instead, tokenized by every request); each sends
 --warmup requests, then --requests more between two scrapes of /metrics, whose difference gives the
 kind's phases: p50 / p90 interpolated in the histogram's buckets (as Prometheus' histogram_quantile),
@@ -194,12 +195,14 @@ def run_kind(c: Client, url: str, model: str, endpoint: str, stream: bool, max_t
     body = dict(prompt or (COMPLETION if endpoint == "completions" else CHAT), model=model, max_tokens=max_tokens,
                 temperature=0, ignore_eos=True, stream=stream)
     skip = 1 if endpoint == "chat_completions" and stream else 0  # chat streams open with the role chunk
+    fresh = iter(range(10**9))  # --cold: a first token no earlier request had, so no block of the prompt is cached
+    nxt = (lambda: dict(body, prompt=[150000 - next(fresh) % 140000] + body["prompt"][1:])) if a.cold else (lambda: body)
     for _ in range(a.warmup):
-        c.post(path, body, skip)
+        c.post(path, nxt(), skip)
     before = parse(scrape(url))
     ttft, e2e = [], []
     for _ in range(a.requests):
-        t, e, _ = c.post(path, body, skip)
+        t, e, _ = c.post(path, nxt(), skip)
         ttft.append(t)
         e2e.append(e)
     after = parse(scrape(url))
@@ -261,11 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--text", action="store_true",
                    help="with --prompt-tokens: the prompt as text of about that many tokens (the same each time), "
                         "so that its tokenization is on the path")
+    p.add_argument("--cold", action="store_true",
+                   help="with --prompt-tokens (ids): a new prompt each request (its first id changed), the cold-TTFT case")
     p.add_argument("--start-timeout", type=float, default=900.0)
     p.add_argument("--out", type=Path, help="the JSON (default: none)")
     a = p.parse_args(argv)
     if a.url and a.serve_args:
         p.error("give at most one of --url and --serve-args")
+    if a.cold and (not a.prompt_tokens or a.text):
+        p.error("--cold takes --prompt-tokens N (token ids), without --text")
     proc, url, tmp = None, a.url, None
     if url is None:
         serve_args = a.serve_args
@@ -298,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if tmp is not None:
             tmp.cleanup()
     doc = {"config": {"url": a.url, "serve_args": a.serve_args, "requests": a.requests, "warmup": a.warmup,
-                      "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "text": a.text, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
+                      "max_tokens": a.max_tokens, "prompt_tokens": a.prompt_tokens, "text": a.text, "cold": a.cold, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "host": socket.gethostname()},
            "kinds": kinds}
     print(table(kinds))
     if a.out:
