@@ -130,6 +130,11 @@ def test_a_prompt_past_max_items_is_left_unparsed():
     b'{"' + b"k" * 40 + b'": "' + b"v" * 40 + b'"}',  # a long key
     b'{"p": "' + b"\n" * 60 + b'"}',  # escapes back to back: no place to cut
     b'{"p": "' + b"\\" * 60 + b'"}',
+    # a cut value's placeholder is a number: what touches it must not join it (hypothesis, 2026-12-07)
+    b'[null,false,"\\u001f\\u0007"0]',
+    b'["' + b"x" * 40 + b'"0]', b'[-"' + b"x" * 40 + b'"]', b'["' + b"x" * 40 + b'".5]',
+    b'["' + b"x" * 40 + b'"e3]', b'["' + b"x" * 40 + b'""' + b"y" * 40 + b'"]',
+    b'[[' + b"1," * 40 + b'1]0]', b'[-[' + b"1," * 40 + b'1]]',
 ])
 def test_what_a_review_found(raw):
     for n in (4, 8, 16):

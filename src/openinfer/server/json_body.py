@@ -83,7 +83,8 @@ class _Cuts:
         """raw[start:end] is `value`: its placeholder goes in its place."""
         key = self.base + len(self.values)
         self.values[key] = value
-        self.out += (self.raw[self.last:start], str(key).encode())
+        # spaced: a digit, "-", "." or "e" beside the cut value (or another placeholder) must not join the number
+        self.out += (self.raw[self.last:start], b" %d " % key)
         self.last = end
         return key
 
