@@ -278,8 +278,13 @@ def test_persistent_layers_match_kernels_32k(tmp_path):
 
 
 def test_graph_buckets(engine):
-    """Powers of two plus one step between, from 16 on (13 graphs for 256 sequences)."""
-    assert list(engine.llm_engine.backend.eng.graph_batches) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    """Powers of two plus one step between, from 16 on (13 graphs for 256 sequences); finalize's phases, in order,
+    for the start-up log."""
+    eng = engine.llm_engine.backend.eng
+    assert list(eng.graph_batches) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256]
+    phases = eng.finalize_seconds
+    assert [k for k, _ in phases] == ["weights_drain", "activations", "profile_step", "kv_pool", "graphs"]
+    assert all(v >= 0 for _, v in phases) and phases[-1][1] > 0, phases
 
 
 def test_overlapped_decode_generates_the_same(engine):

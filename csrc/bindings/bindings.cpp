@@ -212,6 +212,7 @@ PYBIND11_MODULE(_engine, m) {
       .def_property_readonly("graph_steps", &Engine::graph_steps)
       .def_property_readonly("verify_graph_batches", [](const Engine& e) { return e.graph_batches(true); })
       .def_property_readonly("graph_bytes", &Engine::graph_bytes)
+      .def_property_readonly("finalize_seconds", &Engine::finalize_seconds)
       .def_property_readonly("persistent_capable", &Engine::persistent_capable)
       .def_property_readonly("pending", &Engine::pending)
       .def_property("pdl", &Engine::pdl, &Engine::set_pdl)

@@ -85,6 +85,8 @@ class Engine {
   std::vector<int> graph_batches(bool verify = false) const;  // the decode buckets, or the verify ones
   int64_t graph_steps() const { return graph_steps_; }  // graph replays so far, decode and verify
   int64_t graph_bytes() const { return graph_bytes_; }  // device memory the captured graphs took (cudaMemGetInfo)
+  // finalize()'s phases in order, seconds each (weights_drain, activations, profile_step, kv_pool, graphs)
+  const std::vector<std::pair<std::string, double>>& finalize_seconds() const { return finalize_seconds_; }
   // PDL for later eager launches (captured graphs keep their edges): tests compare the two launch modes.
   bool pdl() const { return pdl_; }
   void set_pdl(bool on) { pdl_ = on && pdl_capable_; }
@@ -223,6 +225,7 @@ class Engine {
   char* graph_dev_ = nullptr;
   int graph_bt_stride_ = 0, graph_splits_max_ctx_ = 0;
   int64_t graph_steps_ = 0, graph_bytes_ = 0;
+  std::vector<std::pair<std::string, double>> finalize_seconds_;
   VerifyArena va_{};  // the arena's layout in an engine with a drafter (ga_ without one)
   int verify_span_ = 0, verify_bt_stride_ = 0, verify_draft_items_ = 0;
   // The verify graphs' attention items per sequence and their most rows, per set: 0, every round's where one set

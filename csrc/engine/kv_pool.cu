@@ -1,6 +1,7 @@
 // Memory after the weights: activations for the largest step, the per-step staging areas, one profiling
 // step, then the paged KV pool from what is left (or exactly gpu_num_kv_blocks) and the pinned host tier.
 #include <algorithm>
+#include <chrono>
 
 #include "../kernels/launch.cuh"
 #include "engine.h"
@@ -9,15 +10,28 @@ namespace oi {
 int64_t Engine::finalize() {
   OI_CHECK(!finalized_, "finalize() called twice");
   pdl_enabled() = pdl_;  // the graphs are captured below
+  // Each phase's seconds for the start-up log (the device drained at each mark): where the time to ready goes.
+  auto t = std::chrono::steady_clock::now();
+  auto mark = [&](const char* phase) {
+    OI_CUDA_CHECK(cudaDeviceSynchronize());
+    const auto now = std::chrono::steady_clock::now();
+    finalize_seconds_.emplace_back(phase, std::chrono::duration<double>(now - t).count());
+    t = now;
+  };
   release_upload_stages();  // every weight is on the GPU once the stream drains
+  mark("weights_drain");
   allocate_activations();
+  mark("activations");
   profile_step();
+  mark("profile_step");
   allocate_kv();
+  mark("kv_pool");
   finalized_ = true;
   // decode buckets always (the graphs themselves only when cuda_graph is on); none with a drafter, whose
   // context every step writes: verify buckets then
   if (dr_) capture_verify_graphs();
   else capture_graphs();
+  mark("graphs");
   return num_blocks_;
 }
 

@@ -114,7 +114,6 @@ class CudaBackend:
                     kind, layer, off = slot
                     self.eng.load_tensor(kind, layer, arr, off)
         t_load = time.perf_counter() - t0
-        t1 = time.perf_counter()
         self.num_kv_blocks = int(self.eng.finalize())
         self.num_host_blocks = int(self.eng.num_host_blocks)
         gib = 1 << 30
@@ -123,16 +122,18 @@ class CudaBackend:
                  c.load_format, t_load, self.eng.activation_bytes / gib, self.num_kv_blocks,
                  self.eng.kv_block_bytes / (1 << 20), self.num_kv_blocks * self.eng.kv_block_bytes / gib,
                  c.gpu_memory_utilization)
+        # where the time after the weights went (start-up to ready, issue #25's 3 s): the device drained at each mark
+        log.info("finalize: %s", ", ".join(f"{k} {v:.2f} s" for k, v in self.eng.finalize_seconds))
         if self.num_host_blocks:
             log.info("host KV tier: %d blocks = %.2f GiB of pinned memory", self.num_host_blocks,
                      self.num_host_blocks * self.eng.kv_block_bytes / gib)
         if c.cuda_graph and self.eng.has_drafter:
-            log.info("CUDA graphs captured for verify rounds of %d tokens a sequence, batch sizes %s (%.1f s with the "
-                     "KV pool, %.1f MiB of device memory)", c.drafter_config.num_drafts + 1,
-                     self.eng.verify_graph_batches, time.perf_counter() - t1, self.eng.graph_bytes / (1 << 20))
+            log.info("CUDA graphs captured for verify rounds of %d tokens a sequence, batch sizes %s (%.1f MiB of device "
+                     "memory)", c.drafter_config.num_drafts + 1, self.eng.verify_graph_batches,
+                     self.eng.graph_bytes / (1 << 20))
         elif c.cuda_graph:
-            log.info("CUDA graphs captured for decode batch sizes %s (%.1f s with the KV pool, %.1f MiB of device "
-                     "memory)", self.eng.graph_batches, time.perf_counter() - t1, self.eng.graph_bytes / (1 << 20))
+            log.info("CUDA graphs captured for decode batch sizes %s (%.1f MiB of device memory)", self.eng.graph_batches,
+                     self.eng.graph_bytes / (1 << 20))
         self.last_gpu_ms = 0.0
 
     def _load_drafter(self, c: EngineConfig) -> None:
