@@ -31,6 +31,7 @@ as a check.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import random
@@ -186,6 +187,9 @@ def pcts(xs: list[float]) -> dict:
     return {"p50_us": at(0.5), "p90_us": at(0.9), "mean_us": statistics.fmean(s) * 1e6}
 
 
+FRESH = itertools.count()
+
+
 def run_kind(c: Client, url: str, model: str, endpoint: str, stream: bool, max_tokens: int, a) -> dict:
     path = "/v1/completions" if endpoint == "completions" else "/v1/chat/completions"
     prompt = {"prompt": [(i * 7919) % 30000 + 100 for i in range(a.prompt_tokens)]} if a.prompt_tokens else None
@@ -195,8 +199,8 @@ def run_kind(c: Client, url: str, model: str, endpoint: str, stream: bool, max_t
     body = dict(prompt or (COMPLETION if endpoint == "completions" else CHAT), model=model, max_tokens=max_tokens,
                 temperature=0, ignore_eos=True, stream=stream)
     skip = 1 if endpoint == "chat_completions" and stream else 0  # chat streams open with the role chunk
-    fresh = iter(range(10**9))  # --cold: a first token no earlier request had, so no block of the prompt is cached
-    nxt = (lambda: dict(body, prompt=[150000 - next(fresh) % 140000] + body["prompt"][1:])) if a.cold else (lambda: body)
+    # --cold: a first token no earlier request had (of any kind: one counter for the run), so no block is cached
+    nxt = (lambda: dict(body, prompt=[150000 - next(FRESH) % 140000] + body["prompt"][1:])) if a.cold else (lambda: body)
     for _ in range(a.warmup):
         c.post(path, nxt(), skip)
     before = parse(scrape(url))
